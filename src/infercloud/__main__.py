@@ -1,0 +1,5 @@
+import sys
+
+from infercloud.cli import main
+
+sys.exit(main())

@@ -1,0 +1,80 @@
+"""The block pool: a fixed number of KV blocks, reference counted, handed out by id.
+
+A block is `block_size` token slots of keys and values in every layer; the physical tensors live
+with the model runner, this module only decides which ids are in use.
+
+Invariants:
+- every block id in `range(num_blocks)` is either free (in the free list, ref count 0) or in use
+  (ref count >= 1), never both: `num_free_blocks + num_used_blocks == num_blocks`;
+- `allocate` either returns exactly the blocks asked for or raises, leaving the pool unchanged;
+- a block returns to the free list only when its last reference is released.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class BlockPoolExhaustedError(RuntimeError):
+    """Raised by `allocate` when fewer blocks are free than asked for."""
+
+
+class BlockPool:
+    """Free list plus reference counts over block ids `0 .. num_blocks - 1`."""
+
+    __slots__ = ("_free", "_ref_counts", "num_blocks")
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._ref_counts = [0] * num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, in [0, 1]."""
+        return self.num_used_blocks / self.num_blocks
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self._free)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take `num_blocks` free blocks, each with one reference."""
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        if num_blocks > len(self._free):
+            raise BlockPoolExhaustedError(
+                f"asked for {num_blocks} blocks, {len(self._free)} free of {self.num_blocks}"
+            )
+        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        for block_id in blocks:
+            self._ref_counts[block_id] = 1
+        return blocks
+
+    def retain(self, block_id: int) -> None:
+        """Add a reference to a block that is already in use (sharing)."""
+        if self._ref_counts[block_id] <= 0:
+            raise ValueError(f"block {block_id} is free; only a used block can be shared")
+        self._ref_counts[block_id] += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block; blocks that reach zero become free."""
+        for block_id in block_ids:
+            count = self._ref_counts[block_id]
+            if count <= 0:
+                raise ValueError(f"block {block_id} released more often than allocated")
+            self._ref_counts[block_id] = count - 1
+            if count == 1:
+                self._free.append(block_id)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]

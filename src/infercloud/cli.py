@@ -1,0 +1,111 @@
+"""The `infercloud` command: `engine` serves one replica, `models` lists what can be served."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
+from infercloud.models.registry import DEFAULT_MODEL_NAME
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="infercloud", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    engine = sub.add_parser("engine", help="serve one engine replica with the OpenAI API")
+    engine.add_argument("--model", default=DEFAULT_MODEL_NAME, help="model name or HF folder")
+    engine.add_argument("--served-model-name", default=None)
+    engine.add_argument("--host", default="127.0.0.1")
+    engine.add_argument("--port", type=int, default=8000)
+    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    engine.add_argument(
+        "--kv-cache-bytes",
+        type=_parse_bytes,
+        default=DEFAULT_KV_CACHE_BYTES,
+        help="KV pool size, e.g. 1073741824 or 1GiB",
+    )
+    engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument("--max-model-len", type=int, default=None)
+    engine.add_argument("--max-num-seqs", type=int, default=64)
+    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
+    engine.add_argument("--long-prefill-token-threshold", type=int, default=256)
+    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument("--device", default="cpu")
+    engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--log-level", default="info")
+
+    models = sub.add_parser("models", help="list the models this installation can serve")
+    models.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "models":
+        from infercloud.models.registry import list_models
+
+        entries = [{"name": e.name, "path": str(e.path)} for e in list_models()]
+        if args.json:
+            print(json.dumps(entries))
+        else:
+            for e in entries:
+                print(f"{e['name']}\t{e['path']}")
+        return 0
+    if args.command == "engine":
+        return _serve_engine(args)
+    return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _serve_engine(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from infercloud.engine.config import EngineConfig
+    from infercloud.engine.scheduler import SchedulerConfig
+    from infercloud.server.app import build_engine_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    config = EngineConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        max_model_len=args.max_model_len,
+        device=args.device,
+        seed=args.seed,
+        scheduler=SchedulerConfig(
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            policy=args.scheduling_policy,
+        ),
+    )
+    app, engine = build_engine_app(config)
+    llm = engine.engine
+    print(
+        f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
+        f"blocks of {config.block_size} tokens) on http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""The async streaming API: the engine's step loop on its own thread, results as async streams.
+
+Only the engine thread touches the `LLMEngine`. Callers on the event loop send it commands (add,
+abort) through a thread-safe queue and receive each request's outputs on an `asyncio.Queue`
+filled with `call_soon_threadsafe`. torch releases the GIL inside its kernels, so the HTTP server
+keeps serving while a step runs.
+
+Invariants:
+- every request added gets exactly one finished output, or its stream ends with an exception;
+- a consumer that stops iterating (client gone) aborts its request, whose blocks are freed at the
+  engine thread's next turn, before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from infercloud.engine.llm_engine import EngineStats, LLMEngine
+from infercloud.engine.outputs import RequestOutput
+from infercloud.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    stream: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    pass
+
+
+_Command = _Add | _Abort | _Stop
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.output_listeners: list[Callable[[RequestOutput], None]] = []
+        """Called on the engine thread with every output (metrics, ledgers)."""
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._streams: dict[
+            str, tuple[asyncio.Queue[RequestOutput | BaseException], asyncio.AbstractEventLoop]
+        ] = {}
+        self._ids = itertools.count()
+        self._stats = engine.stats()
+        self._thread = threading.Thread(target=self._run, name="infercloud-engine", daemon=True)
+        self._dead: BaseException | None = None
+        self._thread.start()
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None or not self._thread.is_alive()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest snapshot, taken by the engine thread after each turn."""
+        return self._stats
+
+    def shutdown(self) -> None:
+        self._commands.put(_Stop())
+        self._thread.join(timeout=30)
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Validate now (raises `RequestRejectedError`), then stream the request's outputs."""
+        if self._dead is not None:
+            raise EngineDeadError(f"engine thread stopped: {self._dead!r}")
+        self.engine.check_request(prompt_token_ids, params)
+        rid = request_id or f"req-{next(self._ids)}"
+        stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._commands.put(
+            _Add(rid, prompt_token_ids, params, priority, stream, asyncio.get_running_loop())
+        )
+        return self._iterate(rid, stream)
+
+    async def _iterate(
+        self, request_id: str, stream: asyncio.Queue[RequestOutput | BaseException]
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                if not self.engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:
+                    logger.exception("engine step failed; aborting its requests")
+                    self._fail_all(exc)
+                    continue
+                for out in outputs:
+                    self._deliver(out)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # pragma: no cover - the thread must not die silently
+            self._dead = exc
+            self._fail_all(exc)
+            raise
+
+    def _drain(self, block: bool) -> bool:
+        """Apply pending commands; False when asked to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                self._fail_all(EngineDeadError("engine shut down"))
+                return False
+            if isinstance(command, _Abort):
+                out = self.engine.abort_request(command.request_id)
+                if out is not None:
+                    self._deliver(out)
+            else:
+                self._streams[command.request_id] = (command.stream, command.loop)
+                try:
+                    self.engine.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        priority=command.priority,
+                    )
+                except Exception as exc:
+                    self._streams.pop(command.request_id, None)
+                    _post(command.loop, command.stream, exc)
+            self._stats = self.engine.stats()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        for listener in self.output_listeners:
+            listener(out)
+        target = self._streams.get(out.request_id)
+        if target is None:
+            return
+        if out.finished:
+            del self._streams[out.request_id]
+        stream, loop = target
+        _post(loop, stream, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self.engine.abort_request(request_id)
+            stream, loop = self._streams.pop(request_id)
+            _post(loop, stream, exc)
+
+
+def _post(
+    loop: asyncio.AbstractEventLoop,
+    stream: asyncio.Queue[RequestOutput | BaseException],
+    item: RequestOutput | BaseException,
+) -> None:
+    """Hand an item to a stream on its event loop; a closed loop has no reader left."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(stream.put_nowait, item)

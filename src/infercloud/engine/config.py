@@ -1,0 +1,24 @@
+"""Settings of one engine replica."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infercloud.engine.scheduler import SchedulerConfig
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str
+    """A model name known to the registry, or a path to a Hugging Face folder."""
+    dtype: str = "float32"
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    block_size: int = 16
+    max_model_len: int | None = None
+    """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
+    device: str = "cpu"
+    seed: int = 0
+    served_model_name: str | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,207 @@
+"""A Llama-family decoder in torch whose attention reads and writes the paged KV cache.
+
+RMSNorm, rotary position embeddings (the "rotate half" layout of Hugging Face checkpoints),
+grouped-query attention and a SwiGLU MLP. Q, K and V projections are fused into one matmul, and
+so are the MLP's gate and up projections; `load_weights` does the fusing from a checkpoint's
+separate tensors.
+
+The forward pass takes a flat batch of tokens from many requests (no padding) with their
+positions; only the rows named by `logits_rows` go through the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infercloud.engine.attention import AttentionMetadata, paged_attention
+from infercloud.engine.model_config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # In float32 as the reference implementation does, then back to the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.max_positions = max_positions
+        self.theta = theta
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
+        self.register_buffer("cos", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.register_buffer("sin", torch.empty(max_positions, head_dim // 2), persistent=False)
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute the float32 cos/sin tables on the buffers' device."""
+        device = self.cos.device
+        if device.type == "meta":
+            return
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=device)
+        inv_freq = 1.0 / (self.theta ** (exponents / self.head_dim))
+        steps = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        angles = torch.outer(steps, inv_freq)
+        self.cos = angles.cos()
+        self.sin = angles.sin()
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x32 = x.float()
+    half = x.shape[-1] // 2
+    x1, x2 = x32[..., :half], x32[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = x.shape[0]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out)  # type: ignore[no-any-return]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta
+        )
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns float32 logits `[len(logits_rows), vocab_size]`."""
+        hidden = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            attn_out = layer.self_attn(
+                layer.input_layernorm(hidden), positions, self.rotary, k_cache, v_cache, meta
+            )
+            hidden = hidden + attn_out
+            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        last = self.norm(hidden.index_select(0, logits_rows))
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(last, weight).float()
+
+    def load_weights(self, folder: Path) -> None:
+        """Load Hugging Face safetensors (one file or an index of shards), fusing projections."""
+        from safetensors.torch import load_file
+
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            files = [folder / name for name in shard_names]
+        else:
+            files = [folder / "model.safetensors"]
+        if not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"no safetensors weights in {folder}")
+        tensors: dict[str, torch.Tensor] = {}
+        for f in files:
+            tensors.update(load_file(str(f)))
+        self._assign(tensors)
+
+    @torch.no_grad()
+    def _assign(self, tensors: dict[str, torch.Tensor]) -> None:
+        def take(name: str) -> torch.Tensor:
+            if name not in tensors:
+                raise KeyError(f"checkpoint lacks tensor {name}")
+            return tensors[name]
+
+        self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+        self.norm.weight.copy_(take("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p = f"model.layers.{i}."
+            layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+            attn = p + "self_attn."
+            qkv = [take(attn + f"{n}_proj.weight") for n in ("q", "k", "v")]
+            layer.self_attn.qkv_proj.weight.copy_(torch.cat(qkv, dim=0))
+            layer.self_attn.o_proj.weight.copy_(take(attn + "o_proj.weight"))
+            mlp = p + "mlp."
+            gate_up = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
+            layer.mlp.gate_up_proj.weight.copy_(torch.cat(gate_up, dim=0))
+            layer.mlp.down_proj.weight.copy_(take(mlp + "down_proj.weight"))

@@ -1,0 +1,267 @@
+"""The engine: one shared copy of the weights serving many requests, one step at a time.
+
+`step()` reads as one sentence: schedule, run the model, postprocess (append tokens, detokenize,
+check stops, report deltas). Everything here runs on one thread; `AsyncEngine` puts it behind
+asyncio, `LLM` behind a blocking list-in, list-out call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.engine.config import EngineConfig
+from infercloud.engine.detokenizer import IncrementalDetokenizer
+from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.model_runner import DTYPES, ModelRunner, num_kv_blocks_for_bytes
+from infercloud.engine.outputs import RequestOutput
+from infercloud.engine.request import Request, RequestStatus
+from infercloud.engine.sampler import TokenLogprobs
+from infercloud.engine.sampling_params import SamplingParams
+from infercloud.engine.scheduler import Scheduler
+from infercloud.models.registry import resolve_model
+
+
+class RequestRejectedError(ValueError):
+    """A request the engine cannot take; the message is meant for the client.
+
+    `code` follows OpenAI's error codes where one fits (e.g. "context_length_exceeded").
+    """
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    num_blocks: int
+    num_prompt_tokens_total: int
+    num_generation_tokens_total: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    pending_logprobs: list[TokenLogprobs]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config
+        self.clock = clock
+        self.model_name, self.model_path = resolve_model(config.model)
+        if config.served_model_name:
+            self.model_name = config.served_model_name
+        self.model_config = ModelConfig.from_folder(self.model_path)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(self.model_path))
+        self._decoder = self.tokenizer.backend_tokenizer
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
+        dtype = DTYPES[config.dtype]
+        num_blocks = num_kv_blocks_for_bytes(
+            self.model_config, config.kv_cache_bytes, config.block_size, dtype
+        )
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block")
+        self.block_pool = BlockPool(num_blocks)
+        self.kv_cache = KVCacheManager(self.block_pool, config.block_size)
+        eos = set(self.model_config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.eos_token_ids = eos
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache, eos)
+        self.runner = ModelRunner(
+            self.model_path,
+            self.model_config,
+            num_blocks,
+            config.block_size,
+            dtype,
+            torch.device(config.device),
+            seed=config.seed,
+        )
+        self._tracked: dict[str, _Tracked] = {}
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+
+    # -- requests -------------------------------------------------------------------------------
+
+    @property
+    def max_tokens_in_pool(self) -> int:
+        return self.block_pool.num_blocks * self.config.block_size
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate a request; returns its context limit (prompt + output) in tokens."""
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise RequestRejectedError("the prompt must contain at least one token", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestRejectedError(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        limit = min(self.max_model_len, self.max_tokens_in_pool)
+        if num_prompt >= limit:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt} tokens in the prompt, leaving no room for output.",
+                code="context_length_exceeded",
+                param="prompt",
+            )
+        if params.max_tokens is not None and num_prompt + params.max_tokens > limit:
+            raise RequestRejectedError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt + params.max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{params.max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                code="context_length_exceeded",
+                param="max_tokens",
+            )
+        return limit
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time_s: float | None = None,
+    ) -> None:
+        limit = self.check_request(prompt_token_ids, params)
+        if request_id in self._tracked:
+            raise RequestRejectedError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=params,
+            arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
+            priority=priority,
+            max_total_tokens=limit,
+        )
+        detok = IncrementalDetokenizer.for_prompt(
+            self._decoder, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
+        )
+        self._tracked[request_id] = _Tracked(request, detok, [])
+        self.scheduler.add_request(request)
+        self.num_prompt_tokens_total += len(prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Finish a request now and free its blocks; None if it is not in the engine."""
+        tracked = self._tracked.get(request_id)
+        if tracked is None:
+            return None
+        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return self._finish_output(tracked, [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.block_pool.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_blocks=self.block_pool.num_blocks,
+            num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_generation_tokens_total=self.num_generation_tokens_total,
+        )
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        output = self.scheduler.schedule(self.clock())
+        if output.is_empty:
+            return []
+        suppressed = self._suppressed_tokens(output.chunks)
+        result = self.runner.execute(output, self.kv_cache, suppressed)
+        sampled = {
+            chunk.request.request_id: token
+            for chunk, token in zip(
+                result.sampled_chunks, result.sampler_output.token_ids, strict=True
+            )
+        }
+        logprobs = {
+            chunk.request.request_id: lp
+            for chunk, lp in zip(result.sampled_chunks, result.sampler_output.logprobs, strict=True)
+        }
+        outputs: list[RequestOutput] = []
+        for update in self.scheduler.update_from_output(output, sampled):
+            tracked = self._tracked[update.request.request_id]
+            self.num_generation_tokens_total += 1
+            lp = logprobs[update.request.request_id]
+            if lp is not None:
+                tracked.pending_logprobs.append(lp)
+            finished = update.finished
+            if tracked.detokenizer.add_token(update.new_token_id) and not finished:
+                self.scheduler.finish_request(
+                    update.request.request_id, RequestStatus.FINISHED_STOPPED
+                )
+                update.request.stop_reason = tracked.detokenizer.matched_stop
+                finished = True
+            if finished:
+                outputs.append(self._finish_output(tracked, [update.new_token_id]))
+            else:
+                outputs.append(self._delta_output(tracked, [update.new_token_id]))
+        return outputs
+
+    def _suppressed_tokens(self, chunks: list[Any]) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for chunk in chunks:
+            request = chunk.request
+            params = request.sampling_params
+            if chunk.samples and request.num_output_tokens < params.min_tokens:
+                ids = set(params.stop_token_ids)
+                if not params.ignore_eos:
+                    ids |= self.eos_token_ids
+                out[request.request_id] = tuple(sorted(ids))
+        return out
+
+    def _delta_output(self, tracked: _Tracked, new_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        logprobs, tracked.pending_logprobs = tracked.pending_logprobs, []
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=tracked.detokenizer.take_new_text(finished=False),
+            new_logprobs=logprobs,
+            finished=False,
+            finish_reason=None,
+            stop_reason=None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            arrival_time_s=request.arrival_time_s,
+            first_scheduled_time_s=request.first_scheduled_time_s,
+        )
+
+    def _finish_output(self, tracked: _Tracked, new_ids: list[int]) -> RequestOutput:
+        request = tracked.request
+        self._tracked.pop(request.request_id, None)
+        self.runner.forget(request.request_id)
+        logprobs, tracked.pending_logprobs = tracked.pending_logprobs, []
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_text=tracked.detokenizer.take_new_text(finished=True),
+            new_logprobs=logprobs,
+            finished=True,
+            finish_reason=request.status.value,
+            stop_reason=request.stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            arrival_time_s=request.arrival_time_s,
+            first_scheduled_time_s=request.first_scheduled_time_s,
+        )

@@ -1,0 +1,183 @@
+"""Runs one scheduled step on the model: lay out the batch, run the forward pass, sample.
+
+The runner owns the physical KV cache (one slot array of keys and one of values per layer,
+sized from a byte budget) and the per-request random generators. It reads block tables from the
+`KVCacheManager` but never changes them: which blocks a request holds is the scheduler's call.
+
+Batch layout of one step: the single-token chunks first (they share one batched attention call),
+then each multi-token chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from infercloud.engine.llama import LlamaModel
+from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.sampler import SamplerOutput, SamplingRow, sample
+from infercloud.engine.scheduler import ScheduledChunk, SchedulerOutput
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """Sampled tokens of the chunks that sample, in the order of `sampled_chunks`."""
+
+    sampled_chunks: list[ScheduledChunk]
+    sampler_output: SamplerOutput
+
+
+def num_kv_blocks_for_bytes(
+    config: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype
+) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return kv_cache_bytes // (block_size * config.kv_bytes_per_token * elem)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        with torch.device("meta"):
+            model = LlamaModel(config)
+        model = model.to_empty(device=device)
+        model.load_weights(model_dir)
+        self.model = model.to(dtype=dtype).eval()
+        # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
+        self.model.rotary.reset_tables()
+        num_slots = num_blocks * block_size
+        shape = (config.num_layers, 2, num_slots, config.num_kv_heads, config.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.group = config.num_heads // config.num_kv_heads
+        self._generators: dict[str, torch.Generator] = {}
+        self._default_generator = torch.Generator().manual_seed(seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state (its generator) once the request is finished."""
+        self._generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        output: SchedulerOutput,
+        kv_cache: KVCacheManager,
+        suppressed: dict[str, tuple[int, ...]],
+    ) -> StepResult:
+        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        prefills = [c for c in output.chunks if c.num_tokens > 1]
+        ordered = decodes + prefills
+        bs = self.block_size
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        logits_rows: list[int] = []
+        sampled: list[ScheduledChunk] = []
+        for chunk in ordered:
+            table = kv_cache.block_table(chunk.request.request_id)
+            input_ids.extend(
+                chunk.request.token_ids_range(chunk.start, chunk.start + chunk.num_tokens)
+            )
+            chunk_positions = range(chunk.start, chunk.start + chunk.num_tokens)
+            positions.extend(chunk_positions)
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in chunk_positions)
+            if chunk.samples:
+                logits_rows.append(len(input_ids) - 1)
+                sampled.append(chunk)
+
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            decode=self._decode_batch(decodes, kv_cache) if decodes else None,
+            prefills=self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
+        )
+        logits = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            self.kv_caches,
+            meta,
+            torch.tensor(logits_rows, dtype=torch.long, device=self.device),
+        )
+        rows = [
+            SamplingRow(
+                c.request.sampling_params,
+                self._generator(c.request.request_id, c.request.sampling_params.seed),
+                suppressed.get(c.request.request_id, ()),
+            )
+            for c in sampled
+        ]
+        return StepResult(sampled, sample(logits.cpu(), rows))
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
+        if seed is None:
+            return self._default_generator
+        generator = self._generators.get(request_id)
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed)
+            self._generators[request_id] = generator
+        return generator
+
+    def _decode_batch(self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager) -> DecodeBatch:
+        bs = self.block_size
+        contexts = [c.start + 1 for c in chunks]
+        max_context = max(contexts)
+        max_blocks = -(-max_context // bs)
+        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            table = kv_cache.block_table(c.request.request_id)[:max_blocks]
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        offsets = torch.arange(max_context)
+        slots = tables[:, offsets // bs] * bs + offsets % bs
+        mask = offsets.unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
+        slots = slots.masked_fill(~mask, 0)
+        return DecodeBatch(
+            num_seqs=len(chunks),
+            gather_slots=slots.reshape(-1).to(self.device),
+            max_context=max_context,
+            mask=mask.view(len(chunks), 1, 1, max_context).to(self.device),
+        )
+
+    def _prefill_chunks(
+        self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager, row_start: int
+    ) -> list[PrefillChunk]:
+        bs = self.block_size
+        out: list[PrefillChunk] = []
+        for c in chunks:
+            context = c.start + c.num_tokens
+            table = torch.tensor(kv_cache.block_table(c.request.request_id), dtype=torch.long)
+            offsets = torch.arange(context)
+            slots = table[offsets // bs] * bs + offsets % bs
+            query_positions = torch.arange(c.start, context)
+            mask = offsets.unsqueeze(0) <= query_positions.unsqueeze(1)
+            mask = mask.repeat_interleave(self.group, dim=0)
+            out.append(
+                PrefillChunk(
+                    row_start=row_start,
+                    num_query=c.num_tokens,
+                    gather_slots=slots.to(self.device),
+                    mask=mask.to(self.device),
+                )
+            )
+            row_start += c.num_tokens
+        return out

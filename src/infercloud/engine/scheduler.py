@@ -1,0 +1,241 @@
+"""Continuous batching under a per-step token budget, with chunked prefill and preemption.
+
+The algorithm, stated once: there are no prefill and decode phases. Each step, every running
+request's computed tokens catch up with its tokens by as much as the step's token budget allows
+(at most `long_prefill_token_threshold` per request, so one long prompt cannot take the whole step
+from the decodes); then waiting requests join while budget, sequence slots and KV blocks remain.
+A request that needs a block when none is free takes one from the running request of lowest
+standing (the last to arrive under FCFS, the worst priority under PRIORITY), which is preempted:
+its blocks are freed and it goes back to the waiting queue to be recomputed later. When a request
+has computed all its tokens, the step samples its next token.
+
+Pure policy: no torch, no clock reads; the caller passes `now_s`.
+
+Invariants:
+- a request is in exactly one of `waiting`, `running`, or neither (finished);
+- a running request holds blocks for every token scheduled so far; a waiting one holds none;
+- the tokens scheduled in one step never exceed `max_num_batched_tokens`, and the running batch
+  never exceeds `max_num_seqs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.engine.request import Request, RequestStatus
+from infercloud.engine.request_queue import SchedulingPolicy, make_queue
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 256
+    policy: SchedulingPolicy = "fcfs"
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.long_prefill_token_threshold < 1:
+            raise ValueError("long_prefill_token_threshold must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Compute tokens `start .. start + num_tokens - 1` of `request` this step."""
+
+    request: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk brings the request level with its tokens: sample after it."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedUpdate:
+    """The result of one sampled token for one request."""
+
+    request: Request
+    new_token_id: int
+    finished: bool
+
+
+class Scheduler:
+    """Decides each step which tokens of which requests to compute."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, eos_token_ids: set[int]):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside (abort, stop string); None if it is not here."""
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.free(request_id)
+        request.status = status
+        return request
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def schedule(self, now_s: float) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: dict[str, ScheduledChunk] = {}
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                cfg.long_prefill_token_threshold,
+            )
+            if num_new <= 0:
+                index += 1
+                continue
+            target = request.num_computed_tokens + num_new
+            while not self.kv_cache.allocate_slots(request.request_id, target):
+                victim = self._pick_victim()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                undone = scheduled.pop(victim.request_id, None)
+                if undone is not None:
+                    budget += undone.num_tokens
+                if victim is request:
+                    break
+                index = self.running.index(request)
+            else:
+                scheduled[request.request_id] = ScheduledChunk(
+                    request, request.num_computed_tokens, num_new
+                )
+                budget -= num_new
+                index += 1
+                continue
+            # the request itself was preempted; the next one now sits at `index`
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting.peek()
+                num_new = min(
+                    request.num_tokens - request.num_computed_tokens,
+                    budget,
+                    cfg.long_prefill_token_threshold,
+                )
+                target = request.num_computed_tokens + num_new
+                if not self.kv_cache.allocate_slots(request.request_id, target):
+                    break
+                self.waiting.pop()
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time_s is None:
+                    request.first_scheduled_time_s = now_s
+                self.running.append(request)
+                scheduled[request.request_id] = ScheduledChunk(
+                    request, request.num_computed_tokens, num_new
+                )
+                budget -= num_new
+
+        return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time_s))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[FinishedUpdate]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        `sampled_token_ids` has one entry per chunk whose `samples` is true.
+        """
+        updates: list[FinishedUpdate] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.status != RequestStatus.RUNNING:
+                continue  # finished from outside between schedule and update
+            request.num_computed_tokens += chunk.num_tokens
+            token_id = sampled_token_ids.get(request.request_id)
+            if token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(FinishedUpdate(request, token_id, status is not None))
+        return updates
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        num_output = request.num_output_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                request.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= request.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,123 @@
+"""Prometheus metrics of one engine, with vLLM's names under the `infercloud:` prefix.
+
+State gauges and token counters are read from the engine's latest stats snapshot at scrape time
+(a custom collector), so they never drift from the engine's own counts. Latency histograms are
+fed from each request output as it leaves the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from infercloud.engine.llm_engine import EngineStats
+from infercloud.engine.outputs import RequestOutput
+
+_LATENCY_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self._stats = stats
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("num_requests_running", "Requests in the running batch.", s.num_requests_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_requests_waiting),
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(f"infercloud:{name}", doc, labels=labels)
+            g.add_metric([self._model], value)
+            yield g
+        for name, doc, value in (
+            ("num_preemptions", "Preemptions by recompute.", s.num_preemptions),
+            ("prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
+            ("generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
+        ):
+            c = CounterMetricFamily(f"infercloud:{name}", doc, labels=labels)
+            c.add_metric([self._model], value)
+            yield c
+
+
+class EngineMetrics:
+    """Owns a registry; `observe` is called on the engine thread for every output."""
+
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        model_name: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_StatsCollector(stats, model_name))
+        self._clock = clock
+        self._model = model_name
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(
+                f"infercloud:{name}",
+                doc,
+                labels,
+                registry=self.registry,
+                buckets=_LATENCY_BUCKETS_S,
+            )
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.")
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.")
+        self.success = Counter(
+            "infercloud:request_success",
+            "Finished requests by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
+        self._last_token_s: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, out: RequestOutput) -> None:
+        now = self._clock()
+        with self._lock:
+            last = self._last_token_s.get(out.request_id)
+            if out.new_token_ids:
+                if last is None:
+                    self.ttft.labels(self._model).observe(now - out.arrival_time_s)
+                    if out.first_scheduled_time_s is not None:
+                        wait = out.first_scheduled_time_s - out.arrival_time_s
+                        self.queue.labels(self._model).observe(wait)
+                else:
+                    self.itl.labels(self._model).observe(now - last)
+                self._last_token_s[out.request_id] = now
+            if out.finished:
+                self._last_token_s.pop(out.request_id, None)
+                self.e2e.labels(self._model).observe(now - out.arrival_time_s)
+                self.success.labels(self._model, out.finish_reason or "abort").inc()
