@@ -1,0 +1,164 @@
+"""The scheduler alone, driven by a fake model that emits a fixed token (no torch)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.engine.request import Request, RequestStatus
+from infercloud.engine.sampling_params import SamplingParams
+from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+EOS = 0
+
+
+def make(
+    num_blocks: int = 64, block_size: int = 4, **config: object
+) -> tuple[Scheduler, KVCacheManager]:
+    kv = KVCacheManager(BlockPool(num_blocks), block_size)
+    return Scheduler(SchedulerConfig(**config), kv, {EOS}), kv  # type: ignore[arg-type]
+
+
+def req(
+    rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0, priority: int = 0
+) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=list(range(1, prompt_len + 1)),
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival_time_s=arrival,
+        priority=priority,
+        max_total_tokens=10_000,
+    )
+
+
+def fake_step(s: Scheduler, now: float = 0.0) -> SchedulerOutput:
+    out = s.schedule(now)
+    s.update_from_output(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+    return out
+
+
+def test_new_request_joins_running_batch_at_next_step() -> None:
+    s, _ = make()
+    s.add_request(req("a", 4, 10))
+    fake_step(s)
+    s.add_request(req("b", 4, 10))
+    out = fake_step(s)
+    assert {c.request.request_id for c in out.chunks} == {"a", "b"}
+    assert [c.num_tokens for c in out.chunks] == [1, 4]
+
+
+def test_finished_request_leaves_at_once_and_frees_blocks() -> None:
+    s, kv = make()
+    s.add_request(req("a", 4, 2))
+    fake_step(s)  # prefill + first token
+    fake_step(s)  # second token: done
+    assert not s.has_unfinished()
+    assert kv.block_pool.num_free_blocks == kv.block_pool.num_blocks
+
+
+def test_token_budget_and_chunked_prefill() -> None:
+    s, _ = make(max_num_batched_tokens=16, long_prefill_token_threshold=8)
+    s.add_request(req("long", 40, 4))
+    s.add_request(req("short", 3, 4))
+    out = s.schedule(0.0)
+    assert out.num_batched_tokens <= 16
+    sizes = {c.request.request_id: c.num_tokens for c in out.chunks}
+    assert sizes == {"long": 8, "short": 3}
+    assert not out.chunks[0].samples  # a partial prefill samples nothing
+    s.update_from_output(out, {"short": 7})
+    # decode of "short" runs beside the next chunk of "long"
+    out = s.schedule(0.0)
+    sizes = {c.request.request_id: c.num_tokens for c in out.chunks}
+    assert sizes == {"long": 8, "short": 1}
+
+
+def test_priority_policy_orders_waiting_requests() -> None:
+    s, _ = make(max_num_seqs=1, policy="priority")
+    s.add_request(req("late-low", 4, 1, arrival=0.0, priority=5))
+    s.add_request(req("high", 4, 1, arrival=1.0, priority=0))
+    out = fake_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["high"]
+
+
+def test_fcfs_policy_orders_by_arrival() -> None:
+    s, _ = make(max_num_seqs=1)
+    s.add_request(req("first", 4, 1, priority=5))
+    s.add_request(req("second", 4, 1, priority=0))
+    out = fake_step(s)
+    assert [c.request.request_id for c in out.chunks] == ["first"]
+
+
+def test_preemption_by_recompute_when_pool_is_full() -> None:
+    # 4 blocks of 4 tokens: two requests of 4 prompt tokens growing to 12 tokens cannot both fit
+    s, kv = make(num_blocks=4, block_size=4)
+    s.add_request(req("a", 4, 8, arrival=0.0))
+    s.add_request(req("b", 4, 8, arrival=1.0))
+    finished: list[str] = []
+    for _ in range(100):
+        out = s.schedule(0.0)
+        updates = s.update_from_output(
+            out, {c.request.request_id: 7 for c in out.chunks if c.samples}
+        )
+        finished += [u.request.request_id for u in updates if u.finished]
+        assert kv.block_pool.num_used_blocks <= 4
+        if not s.has_unfinished():
+            break
+    assert sorted(finished) == ["a", "b"]
+    assert s.num_preemptions >= 1
+    assert kv.block_pool.num_free_blocks == 4
+
+
+def test_finish_request_from_outside_frees_blocks() -> None:
+    s, kv = make()
+    s.add_request(req("a", 8, 10))
+    s.add_request(req("b", 8, 10))
+    fake_step(s)
+    aborted = s.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert aborted is not None and aborted.status is RequestStatus.FINISHED_ABORTED
+    assert s.finish_request("a", RequestStatus.FINISHED_ABORTED) is None
+    assert kv.block_table("a") == []
+    assert s.num_running == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 3)), min_size=1),
+    st.integers(8, 24),
+    st.sampled_from(["fcfs", "priority"]),
+)
+def test_every_request_finishes_with_exact_output_and_no_leak(
+    specs: list[tuple[int, int, int]], num_blocks: int, policy: str
+) -> None:
+    block_size = 4
+    s, kv = make(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=8,
+        max_num_seqs=4,
+        policy=policy,
+    )
+    requests = []
+    for i, (prompt, out_len, prio) in enumerate(specs):
+        # only requests that fit the pool alone are admitted (the engine enforces this)
+        if prompt + out_len > num_blocks * block_size:
+            continue
+        r = req(str(i), prompt, out_len, arrival=float(i), priority=prio)
+        requests.append(r)
+        s.add_request(r)
+    for _ in range(10_000):
+        if not s.has_unfinished():
+            break
+        out = s.schedule(0.0)
+        assert out.num_batched_tokens <= 16
+        assert s.num_running <= 4
+        assert kv.block_pool.num_free_blocks + kv.block_pool.num_used_blocks == num_blocks
+        s.update_from_output(out, {c.request.request_id: 7 for c in out.chunks if c.samples})
+    assert not s.has_unfinished()
+    for r in requests:
+        assert r.status is RequestStatus.FINISHED_LENGTH
+        assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert kv.block_pool.num_free_blocks == num_blocks

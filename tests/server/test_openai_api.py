@@ -1,0 +1,200 @@
+"""The engine server driven over loopback HTTP with the official `openai` client."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import EngineServer
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: EngineServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0)
+
+
+def test_models_lists_served_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_completion_non_streaming(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="tiny",
+        prompt="The quick brown fox",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert out.object == "text_completion"
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+    assert out.usage.prompt_tokens_details is not None
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_streaming_equals_non_streaming_and_reports_usage(client: openai.OpenAI) -> None:
+    kwargs = dict(
+        model="tiny",
+        prompt="Paris is",
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs).choices[0].text  # type: ignore[call-overload]
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)  # type: ignore[call-overload]
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_completion_streaming_and_not(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Hello there"}]
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        seed=1,  # type: ignore[arg-type]
+    )
+    assert out.choices[0].message.role == "assistant"
+    text = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            seed=1,
+            stream=True,  # type: ignore[arg-type]
+        )
+        if c.choices
+    )
+    assert text == out.choices[0].message.content
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    content = out.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    full = (
+        client.completions.create(
+            model="tiny", prompt="A", max_tokens=20, temperature=0, extra_body={"ignore_eos": True}
+        )
+        .choices[0]
+        .text
+    )
+    stop = full[5:8]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable stop string")
+    out = client.completions.create(
+        model="tiny",
+        prompt="A",
+        max_tokens=20,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full[: full.index(stop)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "status"),
+    [
+        ({"model": "nope"}, openai.NotFoundError, 404),
+        ({"temperature": -1}, openai.BadRequestError, 400),
+        ({"top_p": 0}, openai.BadRequestError, 400),
+        ({"max_tokens": 10**6}, openai.BadRequestError, 400),
+        ({"prompt": "hello " * 2000}, openai.BadRequestError, 400),
+        ({"n": 3}, openai.BadRequestError, 400),
+        ({"logprobs": 50}, openai.BadRequestError, 400),
+    ],
+    ids=["unknown-model", "temperature", "top-p", "max-tokens", "long-prompt", "n", "logprobs"],
+)
+def test_bad_input_gets_openai_error_and_server_goes_on(
+    client: openai.OpenAI, kwargs: dict[str, object], error: type[Exception], status: int
+) -> None:
+    request = {"model": "tiny", "prompt": "hi", "max_tokens": 4, **kwargs}
+    with pytest.raises(error) as info:
+        client.completions.create(**request)  # type: ignore[call-overload]
+    assert info.value.status_code == status  # type: ignore[attr-defined]
+    body = info.value.body  # type: ignore[attr-defined]
+    assert isinstance(body, dict) and body["message"]
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
+
+
+def test_malformed_json_and_oversized_body(tiny_server: EngineServer) -> None:
+    url = tiny_server.base_url + "/v1/completions"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url, json={"model": "tiny"})  # missing prompt
+    assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
+    r = httpx.post(url, content=b"x" * (9 << 20), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "error" in r.json()
+
+
+def test_metrics_use_vllm_names(tiny_server: EngineServer) -> None:
+    text = httpx.get(tiny_server.base_url + "/metrics").text
+    for name in (
+        "infercloud:time_to_first_token_seconds_bucket",
+        "infercloud:inter_token_latency_seconds_bucket",
+        "infercloud:e2e_request_latency_seconds_count",
+        "infercloud:request_queue_time_seconds_count",
+        "infercloud:kv_cache_usage_perc",
+        "infercloud:num_requests_running",
+        "infercloud:num_requests_waiting",
+        "infercloud:num_preemptions_total",
+        "infercloud:prompt_tokens_total",
+        "infercloud:generation_tokens_total",
+    ):
+        assert name in text, name
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server: EngineServer) -> None:
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 900, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", tiny_server.base_url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert tiny_server.metric("infercloud:num_requests_running") == 1
+    # the connection is closed here, long before 900 tokens
+    for _ in range(100):
+        if (
+            tiny_server.metric("infercloud:num_requests_running") == 0
+            and tiny_server.metric("infercloud:kv_cache_usage_perc") == 0
+        ):
+            break
+        time.sleep(0.05)
+    assert tiny_server.metric("infercloud:num_requests_running") == 0
+    assert tiny_server.metric("infercloud:kv_cache_usage_perc") == 0
+
+
+def test_client_disconnect_non_streaming_aborts(tiny_server: EngineServer) -> None:
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny_server.base_url + "/v1/completions", json=body, timeout=0.5)
+    for _ in range(100):
+        if tiny_server.metric("infercloud:num_requests_running") == 0:
+            break
+        time.sleep(0.05)
+    assert tiny_server.metric("infercloud:num_requests_running") == 0
+    assert tiny_server.metric("infercloud:kv_cache_usage_perc") == 0
