@@ -65,7 +65,9 @@ class ModelRunner:
         self.num_blocks = num_blocks
         rows = config.num_kv_heads * num_blocks
         shape = (config.num_layers, 2, rows, block_size, config.head_dim)
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=device)
+        # Zeroed, not empty: padded gather slots are multiplied by a zero probability, and
+        # uninitialized memory may hold NaN, which would survive that product.
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.group = config.num_heads // config.num_kv_heads
         self._generators: dict[str, torch.Generator] = {}
