@@ -24,7 +24,7 @@ from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
-from infercloud.engine.scheduler import Scheduler
+from infercloud.engine.scheduler import ScheduledChunk, Scheduler
 from infercloud.models.registry import resolve_model
 
 
@@ -218,7 +218,7 @@ class LLMEngine:
                 outputs.append(self._delta_output(tracked, [update.new_token_id]))
         return outputs
 
-    def _suppressed_tokens(self, chunks: list[Any]) -> dict[str, tuple[int, ...]]:
+    def _suppressed_tokens(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
         for chunk in chunks:
             request = chunk.request
