@@ -37,9 +37,6 @@ class KVCacheManager:
         have = len(self._tables.get(request_id, ()))
         return max(0, num_blocks_for(num_tokens, self.block_size) - have)
 
-    def can_allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        return self.block_pool.can_allocate(self.num_new_blocks_needed(request_id, num_tokens))
-
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Grow the table to hold `num_tokens` tokens; False (and no change) if blocks lack."""
         needed = self.num_new_blocks_needed(request_id, num_tokens)
@@ -57,7 +54,3 @@ class KVCacheManager:
         table = self._tables.pop(request_id, None)
         if table:
             self.block_pool.release(table)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self._tables)

@@ -73,10 +73,6 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
-
     def forget(self, request_id: str) -> None:
         """Drop per-request state (its generator) once the request is finished."""
         self._generators.pop(request_id, None)

@@ -7,7 +7,6 @@ fed from each request output as it leaves the engine.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -101,23 +100,22 @@ class EngineMetrics:
             ["model_name", "finished_reason"],
             registry=self.registry,
         )
+        # Touched only on the engine thread (see `observe`); prometheus objects are thread-safe.
         self._last_token_s: dict[str, float] = {}
-        self._lock = threading.Lock()
 
     def observe(self, out: RequestOutput) -> None:
         now = self._clock()
-        with self._lock:
-            last = self._last_token_s.get(out.request_id)
-            if out.new_token_ids:
-                if last is None:
-                    self.ttft.labels(self._model).observe(now - out.arrival_time_s)
-                    if out.first_scheduled_time_s is not None:
-                        wait = out.first_scheduled_time_s - out.arrival_time_s
-                        self.queue.labels(self._model).observe(wait)
-                else:
-                    self.itl.labels(self._model).observe(now - last)
-                self._last_token_s[out.request_id] = now
-            if out.finished:
-                self._last_token_s.pop(out.request_id, None)
-                self.e2e.labels(self._model).observe(now - out.arrival_time_s)
-                self.success.labels(self._model, out.finish_reason or "abort").inc()
+        last = self._last_token_s.get(out.request_id)
+        if out.new_token_ids:
+            if last is None:
+                self.ttft.labels(self._model).observe(now - out.arrival_time_s)
+                if out.first_scheduled_time_s is not None:
+                    wait = out.first_scheduled_time_s - out.arrival_time_s
+                    self.queue.labels(self._model).observe(wait)
+            else:
+                self.itl.labels(self._model).observe(now - last)
+            self._last_token_s[out.request_id] = now
+        if out.finished:
+            self._last_token_s.pop(out.request_id, None)
+            self.e2e.labels(self._model).observe(now - out.arrival_time_s)
+            self.success.labels(self._model, out.finish_reason or "abort").inc()
