@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
@@ -100,11 +102,30 @@ def _serve_engine(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-    finally:
-        engine.shutdown()
-    return 0
+    # The engine loop runs on this (the main) thread, where torch's kernels run fastest, and
+    # the HTTP server on a second one; either stopping stops the other.
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    )
+
+    def serve_http() -> None:
+        try:
+            server.run()
+        finally:
+            engine.stop()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        server.should_exit = True
+        engine.stop()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+    http = threading.Thread(target=serve_http, name="infercloud-http")
+    http.start()
+    engine.run()
+    server.should_exit = True
+    http.join(timeout=30)
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

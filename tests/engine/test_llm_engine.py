@@ -94,7 +94,8 @@ def test_invalid_sampling_values_raise() -> None:
 
 
 def test_async_engine_streams_and_abort_frees_blocks(tiny_model_dir: Path) -> None:
-    engine = AsyncEngine(LLMEngine(EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=1 << 20)))
+    config = EngineConfig(model=str(tiny_model_dir), kv_cache_bytes=1 << 20)
+    engine = AsyncEngine(LLMEngine(config)).start()
 
     async def main() -> tuple[int, int]:
         full = 0

@@ -66,7 +66,10 @@ class _Choice:
 
 
 def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncEngine]:
-    """Load the engine described by `config` and the app that serves it."""
+    """Load the engine described by `config` and the app that serves it.
+
+    The engine's loop is not started: call `run()` (on the main thread) or `start()`.
+    """
     llm = LLMEngine(config)
     engine = AsyncEngine(llm)
     metrics = EngineMetrics(lambda: engine.stats, llm.model_name)
