@@ -21,4 +21,6 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     served_model_name: str | None = None
+    packed_linear: bool = True
+    """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

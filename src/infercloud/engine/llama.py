@@ -137,11 +137,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta
         )
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        """With tied embeddings its weight is the embedding table's (`_assign` ties them)."""
 
     def forward(
         self,
@@ -161,8 +158,7 @@ class LlamaModel(nn.Module):
             hidden = hidden + attn_out
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = self.norm(hidden.index_select(0, logits_rows))
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(last, weight).float()
+        return self.lm_head(last).float()  # type: ignore[no-any-return]
 
     def load_weights(self, folder: Path) -> None:
         """Load Hugging Face safetensors (one file or an index of shards), fusing projections."""
@@ -190,7 +186,9 @@ class LlamaModel(nn.Module):
 
         self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
         self.norm.weight.copy_(take("model.norm.weight"))
-        if self.lm_head is not None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        else:
             self.lm_head.weight.copy_(take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             assert isinstance(layer, DecoderLayer)

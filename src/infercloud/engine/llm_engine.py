@@ -95,6 +95,7 @@ class LLMEngine:
             dtype,
             torch.device(config.device),
             seed=config.seed,
+            packed_linear=config.packed_linear,
         )
         self._tracked: dict[str, _Tracked] = {}
         self.num_prompt_tokens_total = 0

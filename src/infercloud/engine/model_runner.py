@@ -17,8 +17,10 @@ import torch
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from infercloud.engine.host_allocator import keep_freed_memory
 from infercloud.engine.llama import LlamaModel
 from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.packed_linear import can_pack, pack_linears
 from infercloud.engine.sampler import SamplerOutput, SamplingRow, sample
 from infercloud.engine.scheduler import ScheduledChunk, SchedulerOutput
 
@@ -50,7 +52,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        packed_linear: bool = True,
     ) -> None:
+        if device.type == "cpu":
+            keep_freed_memory()
         self.config = config
         self.block_size = block_size
         self.dtype = dtype
@@ -62,6 +67,8 @@ class ModelRunner:
         self.model = model.to(dtype=dtype).eval()
         # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
         self.model.rotary.reset_tables()
+        if packed_linear and can_pack(device):
+            pack_linears(self.model)
         self.num_blocks = num_blocks
         rows = config.num_kv_heads * num_blocks
         shape = (config.num_layers, 2, rows, block_size, config.head_dim)
