@@ -44,6 +44,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    cache_salt: str
     stream: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -111,6 +112,7 @@ class AsyncEngine:
         params: SamplingParams,
         request_id: str | None = None,
         priority: int = 0,
+        cache_salt: str = "",
     ) -> AsyncIterator[RequestOutput]:
         """Validate now (raises `RequestRejectedError`), then stream the request's outputs."""
         if self._dead is not None:
@@ -119,7 +121,15 @@ class AsyncEngine:
         rid = request_id or f"req-{next(self._ids)}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._commands.put(
-            _Add(rid, prompt_token_ids, params, priority, stream, asyncio.get_running_loop())
+            _Add(
+                rid,
+                prompt_token_ids,
+                params,
+                priority,
+                cache_salt,
+                stream,
+                asyncio.get_running_loop(),
+            )
         )
         return self._iterate(rid, stream)
 
@@ -192,6 +202,7 @@ class AsyncEngine:
                         command.prompt_token_ids,
                         command.params,
                         priority=command.priority,
+                        cache_salt=command.cache_salt,
                     )
                 except Exception as exc:
                     self._streams.pop(command.request_id, None)

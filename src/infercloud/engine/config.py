@@ -21,6 +21,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     served_model_name: str | None = None
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"
+    """Which idle cached blocks go first when the pool is full: "lru" or "value"."""
     packed_linear: bool = True
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -8,6 +8,7 @@ asyncio, `LLM` behind a blocking list-in, list-out call.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,9 @@ from typing import Any
 import torch
 
 from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.eviction import make_policy
 from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
 from infercloud.engine.config import EngineConfig
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.model_config import ModelConfig
@@ -26,6 +29,8 @@ from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import ScheduledChunk, Scheduler
 from infercloud.models.registry import resolve_model
+
+KV_EVENTS_KEPT = 10_000
 
 
 class RequestRejectedError(ValueError):
@@ -49,6 +54,10 @@ class EngineStats:
     num_blocks: int
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
+    prefix_cache_queries_tokens: int = 0
+    prefix_cache_hits_tokens: int = 0
+    prefix_cache_blocks: int = 0
+    prefix_cache_evicted_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -81,7 +90,20 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block")
         self.block_pool = BlockPool(num_blocks)
-        self.kv_cache = KVCacheManager(self.block_pool, config.block_size)
+        self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
+        """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
+        self._kv_event_seq = 0
+        self.prefix_cache = (
+            PrefixCache(
+                self.block_pool,
+                config.block_size,
+                make_policy(config.eviction_policy),
+                on_event=self._record_kv_event,
+            )
+            if config.enable_prefix_caching
+            else None
+        )
+        self.kv_cache = KVCacheManager(self.block_pool, config.block_size, self.prefix_cache)
         eos = set(self.model_config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             eos.add(int(self.tokenizer.eos_token_id))
@@ -100,6 +122,15 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _record_kv_event(self, event: CacheEvent) -> None:
+        self._kv_event_seq += 1
+        self.kv_events.append((self._kv_event_seq, event))
+
+    def kv_events_since(self, seq: int) -> tuple[int, list[CacheEvent]]:
+        """Events after sequence number `seq`, and the latest number. A consumer that fell more
+        than `KV_EVENTS_KEPT` behind gets what is kept (and should resynchronize)."""
+        return self._kv_event_seq, [e for n, e in self.kv_events if n > seq]
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -140,6 +171,7 @@ class LLMEngine:
         params: SamplingParams,
         priority: int = 0,
         arrival_time_s: float | None = None,
+        cache_salt: str = "",
     ) -> None:
         limit = self.check_request(prompt_token_ids, params)
         if request_id in self._tracked:
@@ -151,6 +183,7 @@ class LLMEngine:
             arrival_time_s=self.clock() if arrival_time_s is None else arrival_time_s,
             priority=priority,
             max_total_tokens=limit,
+            cache_salt=cache_salt,
         )
         detok = IncrementalDetokenizer.for_prompt(
             self._decoder, request.prompt_token_ids, params.stop, params.include_stop_str_in_output
@@ -174,11 +207,18 @@ class LLMEngine:
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=self.block_pool.usage,
+            # As vLLM counts it: blocks held by requests; idle cached blocks count as free.
+            kv_cache_usage=1.0 - self.kv_cache.num_available_blocks / self.block_pool.num_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_blocks=self.block_pool.num_blocks,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,
+            prefix_cache_queries_tokens=self.scheduler.prefix_cache_queries_tokens,
+            prefix_cache_hits_tokens=self.scheduler.prefix_cache_hits_tokens,
+            prefix_cache_blocks=len(self.prefix_cache) if self.prefix_cache is not None else 0,
+            prefix_cache_evicted_blocks=(
+                self.prefix_cache.num_evicted_blocks if self.prefix_cache is not None else 0
+            ),
         )
 
     # -- one step -------------------------------------------------------------------------------
@@ -200,7 +240,7 @@ class LLMEngine:
             for chunk, lp in zip(result.sampled_chunks, result.sampler_output.logprobs, strict=True)
         }
         outputs: list[RequestOutput] = []
-        for update in self.scheduler.update_from_output(output, sampled):
+        for update in self.scheduler.update_from_output(output, sampled, self.clock()):
             tracked = self._tracked[update.request.request_id]
             self.num_generation_tokens_total += 1
             lp = logprobs[update.request.request_id]
@@ -246,6 +286,7 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             arrival_time_s=request.arrival_time_s,
             first_scheduled_time_s=request.first_scheduled_time_s,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )
 
     def _finish_output(self, tracked: _Tracked, new_ids: list[int]) -> RequestOutput:
@@ -265,4 +306,5 @@ class LLMEngine:
             num_output_tokens=request.num_output_tokens,
             arrival_time_s=request.arrival_time_s,
             first_scheduled_time_s=request.first_scheduled_time_s,
+            num_cached_tokens=request.num_cached_tokens or 0,
         )

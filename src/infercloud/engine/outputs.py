@@ -26,3 +26,5 @@ class RequestOutput:
     num_output_tokens: int
     arrival_time_s: float
     first_scheduled_time_s: float | None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (OpenAI's `cached_tokens`)."""

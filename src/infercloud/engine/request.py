@@ -52,6 +52,10 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     first_scheduled_time_s: float | None = None
+    cache_salt: str = ""
+    """Prefix-cache namespace: only requests with the same salt share cached blocks."""
+    num_cached_tokens: int | None = None
+    """Prompt tokens served from the prefix cache at first admission (None before it)."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,6 +68,9 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_range(self, start: int, end: int) -> list[int]:
         """Tokens `start .. end - 1` of prompt + output, without building the concatenation."""

@@ -9,6 +9,10 @@ standing (the last to arrive under FCFS, the worst priority under PRIORITY), whi
 its blocks are freed and it goes back to the waiting queue to be recomputed later. When a request
 has computed all its tokens, the step samples its next token.
 
+With a prefix cache, a waiting request that has computed nothing starts from the longest cached
+prefix of its tokens (same salt): those tokens count as computed at once, and only the rest is
+scheduled. After each step the full blocks a request has computed are offered to the cache.
+
 Pure policy: no torch, no clock reads; the caller passes `now_s`.
 
 Invariants:
@@ -23,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.cache.prefix_cache import CacheNode
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_queue import SchedulingPolicy, make_queue
 
@@ -89,6 +94,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries_tokens = 0
+        """Tokens looked up in the prefix cache (prompt or recomputed context at admission)."""
+        self.prefix_cache_hits_tokens = 0
 
     # -- queue management --------------------------------------------------------------------
 
@@ -145,7 +153,7 @@ class Scheduler:
                 index += 1
                 continue
             target = request.num_computed_tokens + num_new
-            while not self.kv_cache.allocate_slots(request.request_id, target):
+            while not self.kv_cache.allocate_slots(request.request_id, target, now_s):
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -167,15 +175,22 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
-                num_new = min(
-                    request.num_tokens - request.num_computed_tokens,
-                    budget,
-                    cfg.long_prefill_token_threshold,
-                )
-                target = request.num_computed_tokens + num_new
-                if not self.kv_cache.allocate_slots(request.request_id, target):
+                cached: list[CacheNode] = []
+                if request.num_computed_tokens == 0:
+                    cached = self.kv_cache.match(request.cache_salt, request.all_token_ids())
+                num_cached = len(cached) * self.kv_cache.block_size
+                start = max(request.num_computed_tokens, num_cached)
+                num_new = min(request.num_tokens - start, budget, cfg.long_prefill_token_threshold)
+                target = start + num_new
+                if not self.kv_cache.allocate_slots(request.request_id, target, now_s, cached):
                     break
                 self.waiting.pop()
+                if request.num_computed_tokens == 0:
+                    self.prefix_cache_queries_tokens += request.num_tokens
+                    self.prefix_cache_hits_tokens += num_cached
+                    if request.num_cached_tokens is None:
+                        request.num_cached_tokens = num_cached
+                request.num_computed_tokens = start
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time_s is None:
                     request.first_scheduled_time_s = now_s
@@ -202,18 +217,29 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now_s: float = 0.0
     ) -> list[FinishedUpdate]:
-        """Advance computed tokens, append sampled tokens, finish requests that stop.
+        """Advance computed tokens, cache full blocks, append sampled tokens, finish requests.
 
         `sampled_token_ids` has one entry per chunk whose `samples` is true.
         """
         updates: list[FinishedUpdate] = []
+        bs = self.kv_cache.block_size
         for chunk in output.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # finished from outside between schedule and update
             request.num_computed_tokens += chunk.num_tokens
+            if self.kv_cache.prefix_cache is not None and (
+                request.num_computed_tokens // bs > chunk.start // bs
+            ):
+                self.kv_cache.cache_blocks(
+                    request.request_id,
+                    request.cache_salt,
+                    request.token_ids_range(0, request.num_computed_tokens),
+                    request.num_computed_tokens,
+                    now_s,
+                )
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue

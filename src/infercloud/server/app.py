@@ -41,6 +41,7 @@ class _Choice:
     __slots__ = (
         "finish_reason",
         "logprobs",
+        "num_cached_tokens",
         "num_output_tokens",
         "num_prompt_tokens",
         "stop_reason",
@@ -54,12 +55,14 @@ class _Choice:
         self.stop_reason: int | str | None = None
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
+        self.num_cached_tokens = 0
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs)
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -159,12 +162,15 @@ def create_app(
             raise APIError(400, str(exc)) from exc
 
     async def start(
-        prompts: list[list[int]], params: SamplingParams, priority: int
+        prompts: list[list[int]], params: SamplingParams, priority: int, cache_salt: str
     ) -> list[AsyncIterator[RequestOutput]]:
         try:
             for ids in prompts:
                 llm.check_request(ids, params)
-            return [await engine.generate(ids, params, priority=priority) for ids in prompts]
+            return [
+                await engine.generate(ids, params, priority=priority, cache_salt=cache_salt)
+                for ids in prompts
+            ]
         except RequestRejectedError as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from exc
         except EngineDeadError as exc:
@@ -173,11 +179,12 @@ def create_app(
     def usage(choices: list[_Choice]) -> dict[str, Any]:
         prompt = sum(c.num_prompt_tokens for c in choices)
         completion = sum(c.num_output_tokens for c in choices)
+        cached = sum(c.num_cached_tokens for c in choices)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0},
+            "prompt_tokens_details": {"cached_tokens": cached},
         }
 
     def token_text(token_id: int) -> str:
@@ -215,7 +222,7 @@ def create_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         params = check_common(body)
         prompts = completion_prompts(body.prompt)
-        streams = await start(prompts, params, body.priority)
+        streams = await start(prompts, params, body.priority, body.cache_salt or "")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {
@@ -301,7 +308,7 @@ def create_app(
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
         ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        streams = await start([ids], params, body.priority)
+        streams = await start([ids], params, body.priority, body.cache_salt or "")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         head = {"id": request_id, "created": created, "model": model_name}

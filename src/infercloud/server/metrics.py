@@ -60,10 +60,33 @@ class _StatsCollector(Collector):
             ("num_preemptions", "Preemptions by recompute.", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
+            (
+                "prefix_cache_evictions",
+                "Cached KV blocks evicted to make room.",
+                s.prefix_cache_evicted_blocks,
+            ),
         ):
             c = CounterMetricFamily(f"infercloud:{name}", doc, labels=labels)
             c.add_metric([self._model], value)
             yield c
+        # Per tier (only the device pool for now), in tokens as vLLM counts them.
+        tiered = ["model_name", "tier"]
+        for name, doc, value in (
+            (
+                "prefix_cache_queries",
+                "Tokens looked up in the prefix cache.",
+                s.prefix_cache_queries_tokens,
+            ),
+            ("prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
+        ):
+            c = CounterMetricFamily(f"infercloud:{name}", doc, labels=tiered)
+            c.add_metric([self._model, "device"], value)
+            yield c
+        g = GaugeMetricFamily(
+            "infercloud:prefix_cache_blocks", "KV blocks held by the prefix cache.", labels=labels
+        )
+        g.add_metric([self._model], s.prefix_cache_blocks)
+        yield g
 
 
 class EngineMetrics:

@@ -40,6 +40,8 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    cache_salt: str | None = Field(default=None, max_length=256)
+    """Prefix-cache namespace: requests share cached prompt blocks only with the same salt."""
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field whose value this engine cannot honour."""

@@ -1,0 +1,257 @@
+"""The prefix cache: a radix tree over full KV blocks, shared across requests, per salt.
+
+Each tree node is one full block of `block_size` tokens; its children are keyed by the next
+block's token ids, so a path from a root spells a token prefix at block granularity. There is one
+root per salt (the namespace: a tenant, a group of tenants an operator puts together, or a
+request's own `cache_salt`), and nothing ever matches across roots: a request cannot hit, and so
+cannot time, another namespace's prompts.
+
+The tree holds one reference on the block pool for each node's block, so a cached block is in
+use from the pool's point of view. A node is *idle* when the tree's reference is the only one.
+Since a request that uses a block also holds every block before it, the idle nodes form whole
+subtrees; the idle leaves are the candidates for eviction, ranked by an `EvictionPolicy`, and
+evicting a leaf can make its parent a candidate.
+
+Partial blocks are never cached: the last, partly filled block of a request stays private. A
+match stops at `max_tokens` (callers pass one less than the prompt, so the last prompt token is
+always computed and yields logits), and never returns a block that would be written again.
+
+Invariants (tested with hypothesis):
+- `pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks`, and every node's block has a
+  reference count >= 1 (the tree's);
+- `num_idle` equals the number of nodes whose block's reference count is exactly 1, and each idle
+  leaf is in the candidate set;
+- `match` returns only nodes under the root of the salt asked for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.eviction import BlockStats, EvictionPolicy
+
+
+def salt_hash(salt: str) -> int:
+    """A stable 63-bit id for a salt (Python's str hash changes between processes)."""
+    digest = hashlib.blake2b(salt.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def chain_hash(parent_hash: int, key: tuple[int, ...]) -> int:
+    """The hash of a block given its parent's: names the whole prefix, not just the block."""
+    return hash((parent_hash, key)) & ((1 << 63) - 1)
+
+
+@dataclass(eq=False, slots=True)
+class CacheNode:
+    key: tuple[int, ...]
+    """This block's token ids (empty for a root)."""
+    block_id: int
+    """The pool block holding its keys and values (-1 for a root)."""
+    block_hash: int
+    parent: CacheNode | None
+    depth: int
+    """Blocks from the root: 1 for a prompt's first block."""
+    salt: str
+    children: dict[tuple[int, ...], CacheNode] = field(default_factory=dict)
+
+    @property
+    def num_tokens_to(self) -> int:
+        """Tokens in the prefix this node ends (depth x block size)."""
+        return self.depth * len(self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    """A change of the cache's contents, for routers (vLLM's BlockStored / BlockRemoved)."""
+
+    kind: str
+    """"stored" or "removed"."""
+    block_hashes: tuple[int, ...]
+    parent_hash: int | None
+    salt: str
+    time_s: float
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        pool: BlockPool,
+        block_size: int,
+        policy: EvictionPolicy,
+        on_event: Callable[[CacheEvent], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.policy = policy
+        self.on_event = on_event
+        self._roots: dict[str, CacheNode] = {}
+        self._by_block: dict[int, CacheNode] = {}
+        self._candidates: set[int] = set()
+        """Block ids of idle leaves."""
+        self.stats = BlockStats.empty(pool.num_blocks)
+        self.num_idle = 0
+        self.num_evicted_blocks = 0
+
+    # -- lookups -------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._by_block)
+
+    def node_of(self, block_id: int) -> CacheNode | None:
+        return self._by_block.get(block_id)
+
+    def match(self, salt: str, token_ids: Sequence[int], max_tokens: int) -> list[CacheNode]:
+        """The longest cached prefix of `token_ids` under `salt`, at most `max_tokens` long."""
+        root = self._roots.get(salt)
+        if root is None:
+            return []
+        bs = self.block_size
+        nodes: list[CacheNode] = []
+        node = root
+        for start in range(0, max(0, max_tokens) // bs * bs, bs):
+            child = node.children.get(tuple(token_ids[start : start + bs]))
+            if child is None:
+                break
+            nodes.append(child)
+            node = child
+        return nodes
+
+    def num_idle_among(self, nodes: Iterable[CacheNode]) -> int:
+        return sum(1 for n in nodes if self.pool.ref_count(n.block_id) == 1)
+
+    # -- references ----------------------------------------------------------------------------
+
+    def acquire(self, nodes: Sequence[CacheNode], now_s: float) -> None:
+        """A request starts using these matched blocks: one more reference each, a hit each."""
+        for node in nodes:
+            block = node.block_id
+            if self.pool.ref_count(block) == 1:
+                self.num_idle -= 1
+                self._candidates.discard(block)
+            self.pool.retain(block)
+            self.stats.record_hit(block, now_s)
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """A request drops its blocks; cached ones stay in the tree (idle if nobody uses them)."""
+        self.pool.release(list(block_ids))
+        for block in block_ids:
+            node = self._by_block.get(block)
+            if node is not None and self.pool.ref_count(block) == 1:
+                self.num_idle += 1
+                if not node.children:
+                    self._candidates.add(block)
+
+    def insert(
+        self, salt: str, token_ids: Sequence[int], block_ids: Sequence[int], now_s: float
+    ) -> int:
+        """Cache the full blocks of a request's computed prefix; returns how many were new.
+
+        `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
+        A block whose prefix is already cached (another request computed it first) is left to
+        its request, which frees it when done.
+        """
+        bs = self.block_size
+        node = self._root(salt)
+        stored: list[int] = []
+        parent_hash: int | None = None
+        for i in range(min(len(block_ids), len(token_ids) // bs)):
+            key = tuple(token_ids[i * bs : (i + 1) * bs])
+            child = node.children.get(key)
+            if child is None:
+                block = block_ids[i]
+                if block in self._by_block:
+                    break  # this block already caches another prefix; keep the tree consistent
+                child = CacheNode(
+                    key, block, chain_hash(node.block_hash, key), node, node.depth + 1, salt
+                )
+                if not node.children and node.block_id >= 0:
+                    self._candidates.discard(node.block_id)
+                node.children[key] = child
+                self._by_block[block] = child
+                self.pool.retain(block)
+                self.stats.record_insert(block, child.depth, child.block_hash, now_s)
+                if not stored:
+                    parent_hash = node.block_hash if node.block_id >= 0 else None
+                stored.append(child.block_hash)
+            node = child
+        if stored and self.on_event is not None:
+            self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
+        return len(stored)
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def evict(self, num_blocks: int, now_s: float) -> list[CacheNode]:
+        """Free at least `num_blocks` idle blocks (fewer if fewer are idle), lowest value first.
+
+        Each round ranks the current idle leaves once and evicts the lowest; parents that become
+        idle leaves compete in the next round.
+        """
+        evicted: list[CacheNode] = []
+        while len(evicted) < num_blocks and self._candidates:
+            candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
+            need = num_blocks - len(evicted)
+            priorities = self.policy.priorities(self.stats, candidates, now_s)
+            if need < len(candidates):
+                chosen = candidates[np.argpartition(priorities, need - 1)[:need]]
+            else:
+                chosen = candidates
+            for block in chosen.tolist():
+                evicted.append(self._remove(self._by_block[block]))
+        if evicted and self.on_event is not None:
+            self.on_event(
+                CacheEvent(
+                    "removed", tuple(n.block_hash for n in evicted), None, evicted[0].salt, now_s
+                )
+            )
+        self.num_evicted_blocks += len(evicted)
+        return evicted
+
+    def _remove(self, node: CacheNode) -> CacheNode:
+        block = node.block_id
+        parent = node.parent
+        assert parent is not None and not node.children
+        del parent.children[node.key]
+        del self._by_block[block]
+        self._candidates.discard(block)
+        self.num_idle -= 1
+        self.stats.clear(block)
+        self.pool.release([block])
+        if parent.block_id >= 0:
+            if not parent.children and self.pool.ref_count(parent.block_id) == 1:
+                self._candidates.add(parent.block_id)
+        elif not parent.children:
+            del self._roots[node.salt]
+        return node
+
+    def _root(self, salt: str) -> CacheNode:
+        root = self._roots.get(salt)
+        if root is None:
+            root = CacheNode((), -1, salt_hash(salt), None, 0, salt)
+            self._roots[salt] = root
+        return root
+
+    def check_invariants(self) -> None:
+        """Assert the module's invariants (for tests)."""
+        pool = self.pool
+        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        idle = 0
+        for block, node in self._by_block.items():
+            ref = pool.ref_count(block)
+            assert ref >= 1, f"cached block {block} has no reference"
+            if ref == 1:
+                idle += 1
+                assert not any(pool.ref_count(c.block_id) > 1 for c in node.children.values())
+                assert (block in self._candidates) == (not node.children)
+            else:
+                assert block not in self._candidates
+            root = node
+            while root.parent is not None:
+                root = root.parent
+            assert self._roots.get(node.salt) is root
+        assert idle == self.num_idle
