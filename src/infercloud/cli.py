@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
 from infercloud.models.registry import DEFAULT_MODEL_NAME
@@ -44,12 +45,30 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-batched-tokens", type=int, default=512)
     engine.add_argument("--long-prefill-token-threshold", type=int, default=256)
     engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn the prefix cache off",
+    )
+    engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--log-level", default="info")
 
     models = sub.add_parser("models", help="list the models this installation can serve")
     models.add_argument("--json", action="store_true", help="print JSON")
+
+    replay = sub.add_parser(
+        "cache-replay", help="replay a Mooncake trace through the prefix cache (no model)"
+    )
+    replay.add_argument("--trace", type=Path, required=True, help="Mooncake-format JSONL")
+    replay.add_argument("--capacity-blocks", type=int, required=True)
+    replay.add_argument("--policy", default="lru", choices=["lru", "value", "belady"])
+    replay.add_argument("--time-scale", type=float, default=1.0, help="< 1 compresses time")
+    replay.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
+    replay.add_argument("--decode-ms-per-token", type=float, default=20.0)
+    replay.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
 
@@ -67,7 +86,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "engine":
         return _serve_engine(args)
+    if args.command == "cache-replay":
+        return _cache_replay(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
+
+
+def _cache_replay(args: argparse.Namespace) -> int:
+    from infercloud.cache.replay import load_mooncake, replay
+
+    try:
+        requests = load_mooncake(args.trace, args.time_scale)
+        report = replay(
+            requests,
+            args.capacity_blocks,
+            args.policy,
+            prefill_tokens_per_s=args.prefill_tokens_per_s,
+            decode_s_per_token=args.decode_ms_per_token / 1000.0,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"infercloud cache-replay: {exc}", file=sys.stderr)
+        return 2
+    data = report.to_json()
+    if args.json:
+        print(json.dumps(data))
+    else:
+        for key, value in data.items():
+            print(f"{key}\t{value}")
+    return 0
 
 
 def _serve_engine(args: argparse.Namespace) -> int:
@@ -87,6 +132,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         device=args.device,
         seed=args.seed,
+        enable_prefix_caching=args.enable_prefix_caching,
+        eviction_policy=args.eviction_policy,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -17,7 +17,6 @@ future is given to it up front).
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -27,6 +26,10 @@ import numpy.typing as npt
 
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
+
+
+FRESH = 0
+EXTENSION = 1
 
 
 @dataclass(slots=True)
@@ -42,6 +45,13 @@ class BlockStats:
     """Requests waiting in the queue whose prompt matches this block."""
     key: IntArray
     """The block's prefix hash (what Belady's future is keyed by)."""
+    origin: IntArray
+    """How the block was stored: `FRESH` (by a request that hit nothing) or `EXTENSION` (a
+    request that started from a cached prefix and added to it)."""
+    origin_stored: IntArray
+    """Per origin: blocks stored so far (the outcome counts the value policy learns from)."""
+    origin_reused: IntArray
+    """Per origin: of those, blocks that were hit at least once."""
 
     @classmethod
     def empty(cls, num_blocks: int) -> BlockStats:
@@ -52,17 +62,24 @@ class BlockStats:
             depth=np.zeros(num_blocks, dtype=np.int64),
             waiting=np.zeros(num_blocks, dtype=np.int64),
             key=np.zeros(num_blocks, dtype=np.int64),
+            origin=np.zeros(num_blocks, dtype=np.int64),
+            origin_stored=np.zeros(2, dtype=np.int64),
+            origin_reused=np.zeros(2, dtype=np.int64),
         )
 
-    def record_insert(self, block: int, depth: int, key: int, now_s: float) -> None:
+    def record_insert(self, block: int, depth: int, key: int, origin: int, now_s: float) -> None:
         self.inserted_s[block] = now_s
         self.last_access_s[block] = now_s
         self.num_hits[block] = 0
         self.depth[block] = depth
         self.waiting[block] = 0
         self.key[block] = key
+        self.origin[block] = origin
+        self.origin_stored[origin] += 1
 
     def record_hit(self, block: int, now_s: float) -> None:
+        if self.num_hits[block] == 0:
+            self.origin_reused[self.origin[block]] += 1
         self.num_hits[block] += 1
         self.last_access_s[block] = now_s
 
@@ -94,8 +111,12 @@ class ValueAwarePolicy:
     """Keep the blocks with the highest expected saved compute per byte.
 
     value = reuse_rate x recompute_cost, with
-      mean_gap   = (age + `min_interval_s`) / (hits + `prior_hits`)  [s between uses, counting
-                   the gap still open, so a block nobody comes back to cools down steadily]
+      mean_gap   = (age + `min_interval_s`) / (hits + prior)  [s between uses, counting the gap
+                   still open, so a block nobody comes back to cools down steadily]
+      prior      = the share of blocks of the same origin that were ever hit, learned online
+                   from the cache's own outcomes (Laplace-smoothed, times `prior_hits`): the
+                   tails that requests add to an already cached prefix are reused far less
+                   often than freshly stored prompts (10% against 34-56% on Mooncake's trace)
       reuse_rate = 1 / max(mean_gap, time since the last use)  [uses per second]
                  + waiting requests / `min_interval_s`  (demand already queued),
       recompute_cost = 1 + `attention_weight` x depth  [relative compute of one block: its
@@ -103,8 +124,8 @@ class ValueAwarePolicy:
     Every block holds the same bytes, so value per byte orders the same as value.
     """
 
-    prior_hits: float = 0.25
-    """What a block never reused yet counts as: most prompt tails are never seen again."""
+    prior_hits: float = 1.0
+    """Scale of the learned prior (a never-hit block counts as `prior_hits` x P(reuse))."""
     min_interval_s: float = 1.0
     attention_weight: float = 0.02
     """Attention's share of a block's compute per block of depth (context / linear FLOPs)."""
@@ -113,7 +134,9 @@ class ValueAwarePolicy:
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
         hits = stats.num_hits[candidates].astype(np.float64)
         age = now_s - stats.inserted_s[candidates]
-        mean_gap = (age + self.min_interval_s) / (hits + self.prior_hits)
+        reuse_share = (stats.origin_reused + 1.0) / (stats.origin_stored + 2.0)
+        prior = self.prior_hits * reuse_share[stats.origin[candidates]]
+        mean_gap = (age + self.min_interval_s) / (hits + prior)
         since_last = now_s - stats.last_access_s[candidates]
         rate = 1.0 / np.maximum(mean_gap, since_last)
         rate = rate + stats.waiting[candidates] / self.min_interval_s
@@ -127,17 +150,30 @@ class BeladyPolicy:
     name = "belady"
 
     def __init__(self, future_uses: Mapping[int, Sequence[float]]) -> None:
-        """`future_uses[key]`: the sorted times at which the block with prefix hash `key` is
-        needed (each request's arrival, for every block of its prompt)."""
-        self._uses = future_uses
+        """`future_uses[key]`: the times at which the block with prefix hash `key` is needed
+        (each request's arrival, for every block of its prompt)."""
+        self._keys = np.array(sorted(future_uses), dtype=np.int64)
+        pairs = sorted(
+            (i, t) for i, key in enumerate(self._keys.tolist()) for t in future_uses[key]
+        )
+        times = np.array([t for _, t in pairs], dtype=np.float64)
+        self._span_s = float(times.max()) + 1.0 if len(times) else 1.0
+        # One sorted axis for (key index, time): index + time / span, so that a single
+        # searchsorted finds each candidate's next use after `now_s`.
+        self._axis = np.array([i for i, _ in pairs], dtype=np.float64) + times / self._span_s
+        self._times = times
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
-        out = np.empty(len(candidates))
-        for i, key in enumerate(stats.key[candidates].tolist()):
-            uses = self._uses.get(key, ())
-            j = bisect.bisect_right(uses, now_s)
-            out[i] = -uses[j] if j < len(uses) else -np.inf
-        return out
+        if len(self._axis) == 0:
+            return np.full(len(candidates), -np.inf)
+        keys = stats.key[candidates]
+        index = np.minimum(np.searchsorted(self._keys, keys), len(self._keys) - 1)
+        known = self._keys[index] == keys
+        pos = np.searchsorted(self._axis, index + now_s / self._span_s, side="right")
+        has_next = known & (pos < len(self._axis))
+        pos = np.minimum(pos, len(self._axis) - 1)
+        has_next &= np.floor(self._axis[pos]) == index
+        return np.where(has_next, -self._times[pos], -np.inf)
 
 
 def make_policy(

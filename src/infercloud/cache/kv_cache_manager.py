@@ -31,7 +31,7 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Grows, reads and frees the block table of each request."""
 
-    __slots__ = ("_cached_upto", "_tables", "block_pool", "block_size", "prefix_cache")
+    __slots__ = ("_cached_upto", "_hit", "_tables", "block_pool", "block_size", "prefix_cache")
 
     def __init__(
         self, block_pool: BlockPool, block_size: int, prefix_cache: PrefixCache | None = None
@@ -46,6 +46,8 @@ class KVCacheManager:
         self._tables: dict[str, list[int]] = {}
         self._cached_upto: dict[str, int] = {}
         """Blocks of each table already offered to the prefix cache."""
+        self._hit: set[str] = set()
+        """Requests that started from a cached prefix."""
 
     @property
     def num_available_blocks(self) -> int:
@@ -101,6 +103,7 @@ class KVCacheManager:
         table.extend(n.block_id for n in cached)
         if cached:
             self._cached_upto[request_id] = len(cached)
+            self._hit.add(request_id)
         table.extend(self.block_pool.allocate(needed))
         return True
 
@@ -115,7 +118,13 @@ class KVCacheManager:
         if full <= self._cached_upto.get(request_id, 0):
             return
         table = self._tables.get(request_id, [])
-        cache.insert(salt, token_ids[: full * self.block_size], table[:full], now_s)
+        cache.insert(
+            salt,
+            token_ids[: full * self.block_size],
+            table[:full],
+            now_s,
+            extends_hit=request_id in self._hit,
+        )
         self._cached_upto[request_id] = full
 
     def block_table(self, request_id: str) -> list[int]:
@@ -128,6 +137,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(request_id, None)
         self._cached_upto.pop(request_id, None)
+        self._hit.discard(request_id)
         if not table:
             return
         if self.prefix_cache is not None:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import BlockStats, EvictionPolicy
+from infercloud.cache.eviction import EXTENSION, FRESH, BlockStats, EvictionPolicy
 
 
 def salt_hash(salt: str) -> int:
@@ -148,9 +148,17 @@ class PrefixCache:
                     self._candidates.add(block)
 
     def insert(
-        self, salt: str, token_ids: Sequence[int], block_ids: Sequence[int], now_s: float
+        self,
+        salt: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        now_s: float,
+        extends_hit: bool = False,
     ) -> int:
         """Cache the full blocks of a request's computed prefix; returns how many were new.
+
+        `extends_hit`: the request started from a cached prefix (the policy learns how often
+        such extensions are reused, apart from freshly stored prompts).
 
         `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
         A block whose prefix is already cached (another request computed it first) is left to
@@ -175,7 +183,9 @@ class PrefixCache:
                 node.children[key] = child
                 self._by_block[block] = child
                 self.pool.retain(block)
-                self.stats.record_insert(block, child.depth, child.block_hash, now_s)
+                self.stats.record_insert(
+                    block, child.depth, child.block_hash, EXTENSION if extends_hit else FRESH, now_s
+                )
                 if not stored:
                     parent_hash = node.block_hash if node.block_id >= 0 else None
                 stored.append(child.block_hash)
