@@ -27,6 +27,7 @@ Invariants (tested with hypothesis):
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -197,28 +198,31 @@ class PrefixCache:
     # -- eviction ------------------------------------------------------------------------------
 
     def evict(self, num_blocks: int, now_s: float) -> list[CacheNode]:
-        """Free at least `num_blocks` idle blocks (fewer if fewer are idle), lowest value first.
+        """Free `num_blocks` idle blocks (fewer if fewer are idle), lowest priority first.
 
-        Each round ranks the current idle leaves once and evicts the lowest; parents that become
-        idle leaves compete in the next round.
+        The idle leaves are ranked once; a parent that becomes an idle leaf when its last child
+        goes is ranked then and competes with the rest, so the order is the policy's greedy one.
         """
         evicted: list[CacheNode] = []
-        while len(evicted) < num_blocks and self._candidates:
-            candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
-            need = num_blocks - len(evicted)
-            priorities = self.policy.priorities(self.stats, candidates, now_s)
-            if need < len(candidates):
-                chosen = candidates[np.argpartition(priorities, need - 1)[:need]]
-            else:
-                chosen = candidates
-            for block in chosen.tolist():
-                evicted.append(self._remove(self._by_block[block]))
-        if evicted and self.on_event is not None:
-            self.on_event(
-                CacheEvent(
-                    "removed", tuple(n.block_hash for n in evicted), None, evicted[0].salt, now_s
-                )
-            )
+        if num_blocks <= 0 or not self._candidates:
+            return evicted
+        candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
+        priorities = self.policy.priorities(self.stats, candidates, now_s)
+        heap = list(zip(priorities.tolist(), candidates.tolist(), strict=True))
+        heapq.heapify(heap)
+        while heap and len(evicted) < num_blocks:
+            _, block = heapq.heappop(heap)
+            node = self._by_block[block]
+            parent = node.parent
+            evicted.append(self._remove(node))
+            if parent is not None and parent.block_id in self._candidates:
+                one = np.array([parent.block_id], dtype=np.int64)
+                priority = float(self.policy.priorities(self.stats, one, now_s)[0])
+                heapq.heappush(heap, (priority, parent.block_id))
+        if self.on_event is not None:
+            for salt in dict.fromkeys(n.salt for n in evicted):
+                hashes = tuple(n.block_hash for n in evicted if n.salt == salt)
+                self.on_event(CacheEvent("removed", hashes, None, salt, now_s))
         self.num_evicted_blocks += len(evicted)
         return evicted
 

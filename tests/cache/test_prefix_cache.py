@@ -1,0 +1,151 @@
+"""The radix tree and its pool: matches, sharing, salts, eviction, invariants under random use."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.eviction import BeladyPolicy, BlockStats, LRUPolicy, ValueAwarePolicy
+from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
+
+BS = 4
+
+
+def make(num_blocks: int = 16) -> tuple[KVCacheManager, PrefixCache, list[CacheEvent]]:
+    pool = BlockPool(num_blocks)
+    events: list[CacheEvent] = []
+    cache = PrefixCache(pool, BS, LRUPolicy(), on_event=events.append)
+    return KVCacheManager(pool, BS, cache), cache, events
+
+
+def run(kv: KVCacheManager, rid: str, tokens: list[int], now: float, salt: str = "") -> int:
+    """Admit, compute and cache a request's tokens; returns its cached tokens. Keeps it open."""
+    cached = kv.match(salt, tokens)
+    assert kv.allocate_slots(rid, len(tokens), now, cached)
+    kv.cache_blocks(rid, salt, tokens, len(tokens), now)
+    return len(cached) * BS
+
+
+def test_match_full_blocks_only_and_never_the_last_token() -> None:
+    kv, cache, _ = make()
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    assert run(kv, "a", prompt, 0.0) == 0
+    assert len(cache) == 2  # the partial block stays private
+    kv.free("a")
+    assert run(kv, "b", prompt, 1.0) == 8
+    kv.free("b")
+    # exactly 8 tokens: the second block holds the last token, so only one block may hit
+    assert run(kv, "c", prompt[:8], 2.0) == 4
+    cache.check_invariants()
+
+
+def test_shared_blocks_are_referenced_by_both_users() -> None:
+    kv, cache, _ = make()
+    run(kv, "a", list(range(9)), 0.0)
+    run(kv, "b", list(range(9)), 1.0)
+    shared = kv.block_table("a")[:2]
+    assert kv.block_table("b")[:2] == shared
+    assert all(cache.pool.ref_count(b) == 3 for b in shared)  # a, b and the tree
+    cache.check_invariants()
+
+
+def test_salts_never_share() -> None:
+    kv, cache, _ = make()
+    prompt = list(range(9))
+    run(kv, "a", prompt, 0.0, salt="tenant-a")
+    kv.free("a")
+    assert run(kv, "b", prompt, 1.0, salt="tenant-b") == 0
+    assert run(kv, "c", prompt, 2.0, salt="tenant-a") == 8
+    assert {cache.node_of(b).salt for b in kv.block_table("c")[:2]} == {"tenant-a"}  # type: ignore[union-attr]
+
+
+def test_eviction_frees_idle_leaves_lru_first_and_publishes_events() -> None:
+    kv, cache, events = make(num_blocks=6)
+    run(kv, "old", [1] * 4 + [2] * 4 + [9], 0.0)  # 2 cached blocks + 1 private
+    run(kv, "new", [3] * 4 + [4] * 4 + [9], 5.0)
+    kv.free("old")
+    kv.free("new")
+    assert kv.num_available_blocks == 6 and cache.pool.num_free_blocks == 2
+    # 4 new blocks needed, 2 free: the two blocks of "old" go (leaf first, then its parent)
+    assert kv.allocate_slots("x", 16, 10.0)
+    assert kv.match("", [1] * 4 + [2] * 4 + [0]) == []
+    assert len(kv.match("", [3] * 4 + [4] * 4 + [0])) == 2
+    stored = [e for e in events if e.kind == "stored"]
+    removed = [e for e in events if e.kind == "removed"]
+    assert len(stored) == 2 and len(removed) == 1 and len(removed[0].block_hashes) == 2
+    assert set(removed[0].block_hashes) == set(stored[0].block_hashes)
+    cache.check_invariants()
+
+
+def test_refused_allocation_changes_nothing() -> None:
+    kv, cache, _ = make(num_blocks=4)
+    run(kv, "a", list(range(9)), 0.0)  # 3 blocks held
+    before = (cache.pool.num_free_blocks, cache.num_idle, len(cache))
+    assert not kv.allocate_slots("b", 8, 1.0)
+    assert (cache.pool.num_free_blocks, cache.num_idle, len(cache)) == before
+
+
+def test_policies_rank_as_documented() -> None:
+    stats = BlockStats.empty(3)
+    for block, (t, key) in enumerate([(0.0, 100), (5.0, 200), (9.0, 300)]):
+        stats.record_insert(block, 1, key, 0, t)
+    stats.record_hit(0, 9.5)
+    stats.record_hit(0, 9.8)
+    blocks = np.arange(3)
+    assert np.argmin(LRUPolicy().priorities(stats, blocks, 10.0)) == 1
+    # block 0 was hit twice: the value policy keeps it over the never-hit block 1
+    value = ValueAwarePolicy().priorities(stats, blocks, 10.0)
+    assert value[0] > value[1]
+    belady = BeladyPolicy({100: [20.0], 200: [50.0, 90.0], 300: [1.0]})
+    got = belady.priorities(stats, blocks, 10.0)
+    assert np.argmin(got) == 2  # 300 is never needed again after t=10
+    assert got[1] < got[0]  # 200 is needed later (t=50) than 100 (t=20)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "free"]),
+            st.integers(0, 5),  # which request / which prompt family
+            st.integers(1, 14),  # prompt length
+            st.sampled_from(["", "t1"]),
+        ),
+        max_size=40,
+    )
+)
+def test_tree_and_pool_invariants_under_random_traffic(
+    ops: list[tuple[str, int, int, str]],
+) -> None:
+    kv, cache, _ = make(num_blocks=12)
+    open_requests: dict[str, tuple[str, list[int]]] = {}
+    for step, (op, which, length, salt) in enumerate(ops):
+        now = float(step)
+        if op == "add":
+            rid = f"r{step}"
+            tokens = [which * 100 + (i % 7) for i in range(length)]
+            cached = kv.match(salt, tokens)
+            assert all(n.salt == salt for n in cached)
+            held = {b for r in open_requests for b in kv.block_table(r)}
+            if kv.allocate_slots(rid, length, now, cached):
+                kv.cache_blocks(rid, salt, tokens, length, now)
+                open_requests[rid] = (salt, tokens)
+                # a block this request holds is never also a block another request holds,
+                # unless both got it from the tree (shared)
+                for b in kv.block_table(rid):
+                    if b in held:
+                        assert cache.node_of(b) is not None
+        elif open_requests:
+            rid = sorted(open_requests)[which % len(open_requests)]
+            del open_requests[rid]
+            kv.free(rid)
+        cache.check_invariants()
+        for rid in open_requests:
+            for b in kv.block_table(rid):
+                assert cache.pool.ref_count(b) >= 1  # no evicted block in use
+    for rid in list(open_requests):
+        kv.free(rid)
+    assert kv.num_available_blocks == cache.pool.num_blocks
