@@ -198,3 +198,51 @@ def test_client_disconnect_non_streaming_aborts(tiny_server: EngineServer) -> No
         time.sleep(0.05)
     assert tiny_server.metric("infercloud:num_requests_running") == 0
     assert tiny_server.metric("infercloud:kv_cache_usage_perc") == 0
+
+
+def test_cached_tokens_reported_and_isolated_by_salt(client: openai.OpenAI) -> None:
+    """Tenant B sending tenant A's exact prompt gets no cached tokens; tenant A gets them."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 6
+
+    def cached(salt: str, stream: bool = False) -> int:
+        if stream:
+            chunks = list(
+                client.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"cache_salt": salt},
+                )
+            )
+            usage = chunks[-1].usage
+        else:
+            usage = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=3, extra_body={"cache_salt": salt}
+            ).usage
+        assert usage is not None and usage.prompt_tokens_details is not None
+        return usage.prompt_tokens_details.cached_tokens or 0
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0
+    warm = cached("tenant-a")
+    assert warm > 0 and warm % 16 == 0
+    assert cached("tenant-a", stream=True) == warm
+    assert cached("tenant-c", stream=True) == 0
+
+
+def test_prefix_cache_metrics(tiny_server: EngineServer) -> None:
+    text = httpx.get(tiny_server.base_url + "/metrics").text
+    assert 'infercloud:prefix_cache_queries_total{model_name="tiny",tier="device"}' in text
+    assert 'infercloud:prefix_cache_hits_total{model_name="tiny",tier="device"}' in text
+    assert "infercloud:prefix_cache_evictions_total" in text
+
+
+def test_kv_events_report_stored_blocks(client: openai.OpenAI, tiny_server: EngineServer) -> None:
+    seq = httpx.get(tiny_server.base_url + "/kv_events").json()["seq"]
+    client.completions.create(model="tiny", prompt="alpha beta gamma delta " * 8, max_tokens=2)
+    body = httpx.get(tiny_server.base_url + "/kv_events", params={"since": seq}).json()
+    assert body["seq"] > seq and not body["reset"] and body["block_size"] == 16
+    stored = [e for e in body["events"] if e["type"] == "BlockStored"]
+    assert stored and all(isinstance(h, int) for e in stored for h in e["block_hashes"])

@@ -19,6 +19,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens that came from the prefix cache."""
 
 
 class LLM:
@@ -60,5 +62,6 @@ class LLM:
                 if out.finished:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason
+                    result.num_cached_tokens = out.num_cached_tokens
                     pending.discard(out.request_id)
         return [results[r] for r in order]

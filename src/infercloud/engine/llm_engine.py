@@ -7,6 +7,7 @@ asyncio, `LLM` behind a blocking list-in, list-out call.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -93,6 +94,8 @@ class LLMEngine:
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
         self._kv_event_seq = 0
+        self._kv_events_lock = threading.Lock()
+        """Events are appended on the engine thread and read from the HTTP server's."""
         self.prefix_cache = (
             PrefixCache(
                 self.block_pool,
@@ -124,13 +127,15 @@ class LLMEngine:
         self.num_generation_tokens_total = 0
 
     def _record_kv_event(self, event: CacheEvent) -> None:
-        self._kv_event_seq += 1
-        self.kv_events.append((self._kv_event_seq, event))
+        with self._kv_events_lock:
+            self._kv_event_seq += 1
+            self.kv_events.append((self._kv_event_seq, event))
 
     def kv_events_since(self, seq: int) -> tuple[int, list[CacheEvent]]:
         """Events after sequence number `seq`, and the latest number. A consumer that fell more
         than `KV_EVENTS_KEPT` behind gets what is kept (and should resynchronize)."""
-        return self._kv_event_seq, [e for n, e in self.kv_events if n > seq]
+        with self._kv_events_lock:
+            return self._kv_event_seq, [e for n, e in self.kv_events if n > seq]
 
     # -- requests -------------------------------------------------------------------------------
 

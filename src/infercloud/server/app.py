@@ -127,6 +127,31 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/kv_events")
+    async def kv_events(since: int = 0) -> dict[str, Any]:
+        """Prefix-cache changes after sequence number `since` (vLLM's KV events, polled).
+
+        A router keeps `seq` and asks again; `since` older than what is kept returns what is
+        kept, and `reset: true` tells the router to drop its view of this replica first.
+        """
+        seq, events = llm.kv_events_since(since)
+        oldest = seq - len(llm.kv_events)
+        return {
+            "seq": seq,
+            "reset": since < oldest,
+            "block_size": llm.config.block_size,
+            "events": [
+                {
+                    "type": "BlockStored" if e.kind == "stored" else "BlockRemoved",
+                    "block_hashes": list(e.block_hashes),
+                    "parent_block_hash": e.parent_hash,
+                    "salt": e.salt,
+                    "time_s": e.time_s,
+                }
+                for e in events
+            ],
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {

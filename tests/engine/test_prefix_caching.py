@@ -1,0 +1,96 @@
+"""Prefix caching in the engine: a hit changes nothing in the output, only what is computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from infercloud.engine.llm import LLM
+from infercloud.engine.sampling_params import SamplingParams
+from infercloud.engine.scheduler import SchedulerConfig
+from tests.engine.test_correctness import reference_greedy
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def shared_prefix_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    prefix = torch.randint(3, vocab, (48,), generator=g).tolist()  # 3 full blocks of 16
+    suffixes = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (0, 1, 9, 16, 23)]
+    return [prefix + s for s in suffixes]
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        SchedulerConfig(),
+        SchedulerConfig(max_num_batched_tokens=24, long_prefill_token_threshold=10),
+    ],
+    ids=["batched", "chunked"],
+)
+def test_warm_cache_gives_the_same_greedy_output(
+    tiny_model_dir: Path, scheduler: SchedulerConfig
+) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, scheduler=scheduler)
+    prompts = shared_prefix_prompts(llm.engine.model_config.vocab_size)
+    cold_llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, enable_prefix_caching=False)
+    cold = [o.token_ids for o in cold_llm.generate(prompts, GREEDY)]
+    first = llm.generate(prompts[:1], GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    warm = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in warm] == cold
+    # the 48-token prefix is 3 blocks; a prompt of exactly 48 tokens may reuse only 2 (its last
+    # token must be computed), longer ones all 3
+    assert [o.num_cached_tokens for o in warm] == [32, 48, 48, 48, 48]
+    again = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in again] == cold
+    assert cold == reference_greedy(tiny_model_dir, prompts, 12)
+    stats = llm.engine.stats()
+    assert 0 < stats.prefix_cache_hits_tokens < stats.prefix_cache_queries_tokens
+
+
+def test_cache_survives_eviction_and_preemption(tiny_model_dir: Path) -> None:
+    """A pool too small for everything: hits, evictions and preemptions all happen."""
+    scheduler = SchedulerConfig(max_num_batched_tokens=32, long_prefill_token_threshold=16)
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=96 << 10, scheduler=scheduler)
+    prompts = shared_prefix_prompts(llm.engine.model_config.vocab_size) * 2
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert llm.engine.stats().prefix_cache_evicted_blocks > 0
+    assert llm.engine.scheduler.num_preemptions > 0
+    unique = shared_prefix_prompts(llm.engine.model_config.vocab_size)
+    assert got == reference_greedy(tiny_model_dir, unique, 24) * 2
+    assert llm.engine.prefix_cache is not None
+    llm.engine.prefix_cache.check_invariants()
+    assert llm.engine.kv_cache.num_available_blocks == llm.engine.block_pool.num_blocks
+
+
+def test_salts_isolate_offline(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20)
+    prompt = shared_prefix_prompts(llm.engine.model_config.vocab_size)[2]
+    engine = llm.engine
+
+    def cached_tokens(request_id: str, salt: str) -> int:
+        engine.add_request(request_id, prompt, GREEDY, cache_salt=salt)
+        while True:
+            for out in engine.step():
+                if out.request_id == request_id and out.finished:
+                    return out.num_cached_tokens
+
+    assert cached_tokens("a1", "tenant-a") == 0
+    assert cached_tokens("b1", "tenant-b") == 0
+    assert cached_tokens("a2", "tenant-a") == 48
+
+
+@pytest.mark.slow
+def test_real_model_warm_equals_cold(real_model_dir: Path) -> None:
+    llm = LLM(str(real_model_dir), kv_cache_bytes=64 << 20)
+    system = "You are a careful assistant. Tools: search(query), open(url), summarize(text). " * 3
+    prompts = [llm.encode(system + q) for q in ("What is 2+2?", "Name a prime.", "Say hi.")]
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    cold = [o.token_ids for o in llm.generate(prompts, params)]
+    warm = llm.generate(prompts, params)
+    assert [o.token_ids for o in warm] == cold
+    assert all(o.num_cached_tokens >= 48 for o in warm)
