@@ -1,0 +1,137 @@
+"""Prefix caching: eviction policies on a real trace, and the real engine with caching off vs on.
+
+(a) Replays ../shared/traces/mooncake_synthetic.jsonl through the real prefix cache at 5%, 10%
+    and 25% of the trace's unique blocks with the LRU, value-aware and Belady policies (the same
+    code as `infercloud cache-replay`), and reports token hit rates and the share of the gap
+    between LRU and Belady that the value-aware policy closes.
+(b) Serves SmolLM2-135M (bfloat16) with `infercloud engine` twice, prefix caching off and on, and
+    replays an agent-like workload over HTTP: one 1536-token system prompt with tool definitions
+    shared by every request, a unique 100-200 token suffix each (about 90% of the prompt
+    shared), 32 output tokens, Poisson arrivals. Reports mean / p99 TTFT, throughput and the
+    engine's own prefix-cache hit counters.
+
+    .venv/bin/python benchmarks/prefix_cache.py [--skip-engine] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import Req, Server, replay
+from infercloud.cache.replay import load_mooncake, unique_blocks
+from infercloud.cache.replay import replay as replay_trace
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_synthetic.jsonl"
+
+
+def policies_on_trace(trace: Path) -> list[dict[str, object]]:
+    requests = load_mooncake(trace)
+    unique = unique_blocks(requests)
+    rows: list[dict[str, object]] = []
+    for share in (0.05, 0.10, 0.25):
+        capacity = int(unique * share)
+        rates = {
+            p: replay_trace(requests, capacity, p).to_json() for p in ("lru", "value", "belady")
+        }
+        lru, value, belady = (
+            float(rates[p]["hit_rate_tokens"]) for p in ("lru", "value", "belady")
+        )  # type: ignore[arg-type]
+        gap = belady - lru
+        row = {
+            "capacity_share": share,
+            "capacity_blocks": capacity,
+            "hit_rate_tokens": {"lru": lru, "value": value, "belady": belady},
+            "compute_saved": {p: rates[p]["compute_saved"] for p in rates},
+            "gap_closed_by_value": (value - lru) / gap if gap > 0 else 0.0,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def agent_workload(vocab: int, n: int, rate_per_s: float, seed: int = 0) -> list[Req]:
+    rng = random.Random(seed)
+    system = [rng.randrange(100, vocab - 100) for _ in range(1536)]
+    t, reqs = 0.0, []
+    for _ in range(n):
+        suffix = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(100, 200))]
+        reqs.append(Req(system + suffix, 32, t))
+        t += rng.expovariate(rate_per_s)
+    return reqs
+
+
+def cache_counters(url: str) -> tuple[float, float]:
+    hits = queries = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("infercloud:prefix_cache_hits_total{"):
+            hits = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("infercloud:prefix_cache_queries_total{"):
+            queries = float(line.rsplit(" ", 1)[1])
+    return hits, queries
+
+
+def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
+    from infercloud.models.registry import prepare_default_model
+
+    model_dir = prepare_default_model()
+    reqs = agent_workload(49152, n, rate_per_s)
+    logs = ROOT / "benchmarks" / "results"
+    logs.mkdir(parents=True, exist_ok=True)
+    out: dict[str, dict[str, float]] = {}
+    for label, extra in (("caching_off", ["--no-enable-prefix-caching"]), ("caching_on", [])):
+        cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
+        cmd += ["--dtype", "bfloat16", "--port", "8203", "--served-model-name", "m"]
+        cmd += ["--log-level", "warning", *extra]
+        server = Server(cmd, 8203, {}, logs / f"prefix_cache_{label}.log", 300.0)
+        try:
+            before = cache_counters(server.url)
+            result = asyncio.run(replay(server.url, "m", reqs))
+            hits, queries = cache_counters(server.url)
+            result["engine_hit_rate_tokens"] = (
+                (hits - before[0]) / (queries - before[1]) if queries > before[1] else 0.0
+            )
+        finally:
+            server.stop()
+        keys = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
+        print(label, json.dumps({k: round(result[k], 1) for k in keys}), flush=True)
+        out[label] = result
+    out["ratios"] = {
+        "mean_ttft_off_over_on": out["caching_off"]["mean_ttft_ms"]
+        / out["caching_on"]["mean_ttft_ms"],
+        "p99_ttft_off_over_on": out["caching_off"]["p99_ttft_ms"]
+        / out["caching_on"]["p99_ttft_ms"],
+        "throughput_on_over_off": out["caching_on"]["output_throughput"]
+        / out["caching_off"]["output_throughput"],
+    }
+    print(json.dumps(out["ratios"]), flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--rate", type=float, default=0.5, help="requests per second")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_cache.json"
+    )
+    args = parser.parse_args()
+    report: dict[str, object] = {"policies": policies_on_trace(args.trace)}
+    if not args.skip_engine:
+        report["engine"] = engine_on_off(args.requests, args.rate)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
