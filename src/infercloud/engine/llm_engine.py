@@ -131,11 +131,14 @@ class LLMEngine:
             self._kv_event_seq += 1
             self.kv_events.append((self._kv_event_seq, event))
 
-    def kv_events_since(self, seq: int) -> tuple[int, list[CacheEvent]]:
-        """Events after sequence number `seq`, and the latest number. A consumer that fell more
-        than `KV_EVENTS_KEPT` behind gets what is kept (and should resynchronize)."""
+    def kv_events_since(self, seq: int) -> tuple[int, list[CacheEvent], bool]:
+        """Events after sequence number `seq`, the latest number, and whether some events after
+        `seq` are no longer kept (the consumer fell more than `KV_EVENTS_KEPT` behind and should
+        drop its view of this engine's cache before applying these)."""
         with self._kv_events_lock:
-            return self._kv_event_seq, [e for n, e in self.kv_events if n > seq]
+            oldest_kept = self._kv_event_seq - len(self.kv_events)
+            events = [e for n, e in self.kv_events if n > seq]
+            return self._kv_event_seq, events, seq < oldest_kept
 
     # -- requests -------------------------------------------------------------------------------
 

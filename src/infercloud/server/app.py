@@ -134,11 +134,10 @@ def create_app(
         A router keeps `seq` and asks again; `since` older than what is kept returns what is
         kept, and `reset: true` tells the router to drop its view of this replica first.
         """
-        seq, events = llm.kv_events_since(since)
-        oldest = seq - len(llm.kv_events)
+        seq, events, missed = llm.kv_events_since(since)
         return {
             "seq": seq,
-            "reset": since < oldest,
+            "reset": missed,
             "block_size": llm.config.block_size,
             "events": [
                 {
