@@ -25,7 +25,7 @@ def run(kv: KVCacheManager, rid: str, tokens: list[int], now: float, salt: str =
     """Admit, compute and cache a request's tokens; returns its cached tokens. Keeps it open."""
     cached = kv.match(salt, tokens)
     assert kv.allocate_slots(rid, len(tokens), now, cached)
-    kv.cache_blocks(rid, salt, tokens, len(tokens), now)
+    kv.cache_blocks(rid, salt, lambda a, b: tokens[a:b], len(tokens), now)
     return len(cached) * BS
 
 
@@ -131,7 +131,7 @@ def test_tree_and_pool_invariants_under_random_traffic(
             assert all(n.salt == salt for n in cached)
             held = {b for r in open_requests for b in kv.block_table(r)}
             if kv.allocate_slots(rid, length, now, cached):
-                kv.cache_blocks(rid, salt, tokens, length, now)
+                kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], length, now)
                 open_requests[rid] = (salt, tokens)
                 # a block this request holds is never also a block another request holds,
                 # unless both got it from the tree (shared)

@@ -34,7 +34,8 @@ EXTENSION = 1
 
 @dataclass(slots=True)
 class BlockStats:
-    """Per-block history, indexed by block id (valid while the block is cached)."""
+    """Per-block history, indexed by block id: valid while the block is cached, overwritten
+    by `record_insert` when the id is cached again."""
 
     inserted_s: FloatArray
     last_access_s: FloatArray
@@ -82,10 +83,6 @@ class BlockStats:
             self.origin_reused[self.origin[block]] += 1
         self.num_hits[block] += 1
         self.last_access_s[block] = now_s
-
-    def clear(self, block: int) -> None:
-        self.num_hits[block] = 0
-        self.waiting[block] = 0
 
 
 class EvictionPolicy(Protocol):

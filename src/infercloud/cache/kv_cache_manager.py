@@ -17,7 +17,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.prefix_cache import CacheNode, PrefixCache
@@ -82,9 +82,7 @@ class KVCacheManager:
         """
         if cached and request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks; cannot start from cache")
-        needed = max(0, num_blocks_for(num_tokens, self.block_size) - len(cached))
-        needed -= len(self._tables.get(request_id, ()))
-        needed = max(0, needed)
+        needed = max(0, self.num_new_blocks_needed(request_id, num_tokens) - len(cached))
         cache = self.prefix_cache
         if cache is None:
             if not self.block_pool.can_allocate(needed):
@@ -108,9 +106,18 @@ class KVCacheManager:
         return True
 
     def cache_blocks(
-        self, request_id: str, salt: str, token_ids: Sequence[int], num_computed: int, now_s: float
+        self,
+        request_id: str,
+        salt: str,
+        token_ids: Callable[[int, int], Sequence[int]],
+        num_computed: int,
+        now_s: float,
     ) -> None:
-        """Offer the request's full, computed blocks to the prefix cache (no-op without one)."""
+        """Offer the request's full, computed blocks to the prefix cache (no-op without one).
+
+        `token_ids(start, end)` gives the request's tokens; it is called only when a block has
+        filled since the last offer, so calling this every step costs nothing in between.
+        """
         cache = self.prefix_cache
         if cache is None:
             return
@@ -120,7 +127,7 @@ class KVCacheManager:
         table = self._tables.get(request_id, [])
         cache.insert(
             salt,
-            token_ids[: full * self.block_size],
+            token_ids(0, full * self.block_size),
             table[:full],
             now_s,
             extends_hit=request_id in self._hit,

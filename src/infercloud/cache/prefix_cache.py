@@ -234,7 +234,6 @@ class PrefixCache:
         del self._by_block[block]
         self._candidates.discard(block)
         self.num_idle -= 1
-        self.stats.clear(block)
         self.pool.release([block])
         if parent.block_id >= 0:
             if not parent.children and self.pool.ref_count(parent.block_id) == 1:

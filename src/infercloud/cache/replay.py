@@ -43,6 +43,10 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     salt: str = ""
 
+    def hash_ids_range(self, start: int, end: int) -> tuple[int, ...]:
+        """Trace blocks `start .. end - 1`: the replay's "tokens" (one per 512-token block)."""
+        return self.hash_ids[start:end]
+
     def block_tokens(self, index: int) -> int:
         """Prompt tokens in trace block `index` (the last one may be partial)."""
         rest = self.input_length - index * TRACE_BLOCK_TOKENS
@@ -146,7 +150,7 @@ def replay(
                 kv.free(rid)
             else:
                 r = requests[index]
-                kv.cache_blocks(rid, r.salt, r.hash_ids, len(r.hash_ids), when)
+                kv.cache_blocks(rid, r.salt, r.hash_ids_range, len(r.hash_ids), when)
 
     for index, r in enumerate(requests):
         run_events_until(r.arrival_s)

@@ -224,22 +224,18 @@ class Scheduler:
         `sampled_token_ids` has one entry per chunk whose `samples` is true.
         """
         updates: list[FinishedUpdate] = []
-        bs = self.kv_cache.block_size
         for chunk in output.chunks:
             request = chunk.request
             if request.status != RequestStatus.RUNNING:
                 continue  # finished from outside between schedule and update
             request.num_computed_tokens += chunk.num_tokens
-            if self.kv_cache.prefix_cache is not None and (
-                request.num_computed_tokens // bs > chunk.start // bs
-            ):
-                self.kv_cache.cache_blocks(
-                    request.request_id,
-                    request.cache_salt,
-                    request.token_ids_range(0, request.num_computed_tokens),
-                    request.num_computed_tokens,
-                    now_s,
-                )
+            self.kv_cache.cache_blocks(
+                request.request_id,
+                request.cache_salt,
+                request.token_ids_range,
+                request.num_computed_tokens,
+                now_s,
+            )
             token_id = sampled_token_ids.get(request.request_id)
             if token_id is None:
                 continue
