@@ -9,8 +9,13 @@
     shared by every request, a unique 100-200 token suffix each (about 90% of the prompt
     shared), 32 output tokens, Poisson arrivals. Reports mean / p99 TTFT, throughput and the
     engine's own prefix-cache hit counters.
+(c) The second tier under memory pressure: six agents, each with its own 1536-token system
+    prompt, requests spread uniformly over them; the device pool (`--kv-cache-bytes 100MiB`,
+    about 4,300 tokens) holds fewer than three of the prompts. Caching on both times, the host
+    tier off vs on (`--host-cache-bytes 512MiB`, room for all six): mean / p99 TTFT, throughput,
+    and hits per tier.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--skip-engine] [--out F]
+    .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier] [--out F]
 """
 
 from __future__ import annotations
@@ -69,49 +74,91 @@ def agent_workload(vocab: int, n: int, rate_per_s: float, seed: int = 0) -> list
     return reqs
 
 
-def cache_counters(url: str) -> tuple[float, float]:
+def multi_agent_workload(
+    vocab: int, n: int, rate_per_s: float, agents: int, seed: int = 0
+) -> list[Req]:
+    rng = random.Random(seed)
+    systems = [[rng.randrange(100, vocab - 100) for _ in range(1536)] for _ in range(agents)]
+    t, reqs = 0.0, []
+    for _ in range(n):
+        suffix = [rng.randrange(100, vocab - 100) for _ in range(rng.randint(100, 200))]
+        reqs.append(Req(rng.choice(systems) + suffix, 32, t))
+        t += rng.expovariate(rate_per_s)
+    return reqs
+
+
+def cache_counters(url: str, tier: str = "device") -> tuple[float, float]:
     hits = queries = 0.0
+    label = f'tier="{tier}"'
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("infercloud:prefix_cache_hits_total{"):
+        if line.startswith("infercloud:prefix_cache_hits_total{") and label in line:
             hits = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("infercloud:prefix_cache_queries_total{"):
+        elif line.startswith("infercloud:prefix_cache_queries_total{") and label in line:
             queries = float(line.rsplit(" ", 1)[1])
     return hits, queries
 
 
-def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
+def run_engine(label: str, extra: list[str], reqs: list[Req]) -> dict[str, float]:
+    """Start `infercloud engine` with `extra` flags, replay `reqs`, stop it."""
     from infercloud.models.registry import prepare_default_model
 
     model_dir = prepare_default_model()
-    reqs = agent_workload(49152, n, rate_per_s)
     logs = ROOT / "benchmarks" / "results"
     logs.mkdir(parents=True, exist_ok=True)
-    out: dict[str, dict[str, float]] = {}
-    for label, extra in (("caching_off", ["--no-enable-prefix-caching"]), ("caching_on", [])):
-        cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
-        cmd += ["--dtype", "bfloat16", "--port", "8203", "--served-model-name", "m"]
-        cmd += ["--log-level", "warning", *extra]
-        server = Server(cmd, 8203, {}, logs / f"prefix_cache_{label}.log", 300.0)
-        try:
-            before = cache_counters(server.url)
-            result = asyncio.run(replay(server.url, "m", reqs))
-            hits, queries = cache_counters(server.url)
-            result["engine_hit_rate_tokens"] = (
-                (hits - before[0]) / (queries - before[1]) if queries > before[1] else 0.0
-            )
-        finally:
-            server.stop()
-        keys = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
-        print(label, json.dumps({k: round(result[k], 1) for k in keys}), flush=True)
-        out[label] = result
-    out["ratios"] = {
-        "mean_ttft_off_over_on": out["caching_off"]["mean_ttft_ms"]
-        / out["caching_on"]["mean_ttft_ms"],
-        "p99_ttft_off_over_on": out["caching_off"]["p99_ttft_ms"]
-        / out["caching_on"]["p99_ttft_ms"],
-        "throughput_on_over_off": out["caching_on"]["output_throughput"]
-        / out["caching_off"]["output_throughput"],
+    cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
+    cmd += ["--dtype", "bfloat16", "--port", "8203", "--served-model-name", "m"]
+    cmd += ["--log-level", "warning", *extra]
+    server = Server(cmd, 8203, {}, logs / f"prefix_cache_{label}.log", 300.0)
+    try:
+        before = {t: cache_counters(server.url, t) for t in ("device", "host")}
+        result = asyncio.run(replay(server.url, "m", reqs))
+        for tier in ("device", "host"):
+            hits, queries = cache_counters(server.url, tier)
+            h0, q0 = before[tier]
+            result[f"hit_tokens_{tier}"] = hits - h0
+            result[f"query_tokens_{tier}"] = queries - q0
+        device_queries = result["query_tokens_device"]
+        result["engine_hit_rate_tokens"] = (
+            (result["hit_tokens_device"] + result["hit_tokens_host"]) / device_queries
+            if device_queries
+            else 0.0
+        )
+    finally:
+        server.stop()
+    keys = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
+    shown = {k: round(result[k], 1) for k in keys}
+    shown["hit_rate"] = round(result["engine_hit_rate_tokens"], 3)
+    print(label, json.dumps(shown), flush=True)
+    return result
+
+
+def ratios(off: dict[str, float], on: dict[str, float]) -> dict[str, float]:
+    return {
+        "mean_ttft_off_over_on": off["mean_ttft_ms"] / on["mean_ttft_ms"],
+        "p99_ttft_off_over_on": off["p99_ttft_ms"] / on["p99_ttft_ms"],
+        "throughput_on_over_off": on["output_throughput"] / off["output_throughput"],
     }
+
+
+def tier_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
+    reqs = multi_agent_workload(49152, n, rate_per_s, agents=6)
+    pool = ["--kv-cache-bytes", "100MiB"]
+    out = {
+        "host_tier_off": run_engine("host_tier_off", pool, reqs),
+        "host_tier_on": run_engine("host_tier_on", [*pool, "--host-cache-bytes", "512MiB"], reqs),
+    }
+    out["ratios"] = ratios(out["host_tier_off"], out["host_tier_on"])
+    print(json.dumps(out["ratios"]), flush=True)
+    return out
+
+
+def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
+    reqs = agent_workload(49152, n, rate_per_s)
+    out = {
+        "caching_off": run_engine("caching_off", ["--no-enable-prefix-caching"], reqs),
+        "caching_on": run_engine("caching_on", [], reqs),
+    }
+    out["ratios"] = ratios(out["caching_off"], out["caching_on"])
     print(json.dumps(out["ratios"]), flush=True)
     return out
 
@@ -119,16 +166,23 @@ def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--skip-engine", action="store_true")
+    parser.add_argument("--parts", default="policies,caching,tier")
     parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--rate", type=float, default=0.5, help="requests per second")
+    parser.add_argument("--rate", type=float, default=0.5, help="requests per second (caching)")
+    parser.add_argument("--tier-requests", type=int, default=40)
+    parser.add_argument("--tier-rate", type=float, default=0.2, help="requests per second (tier)")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_cache.json"
     )
     args = parser.parse_args()
-    report: dict[str, object] = {"policies": policies_on_trace(args.trace)}
-    if not args.skip_engine:
+    parts = set(args.parts.split(","))
+    report: dict[str, object] = {}
+    if "policies" in parts:
+        report["policies"] = policies_on_trace(args.trace)
+    if "caching" in parts:
         report["engine"] = engine_on_off(args.requests, args.rate)
+    if "tier" in parts:
+        report["host_tier"] = tier_on_off(args.tier_requests, args.tier_rate)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
 

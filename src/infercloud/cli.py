@@ -52,6 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn the prefix cache off",
     )
     engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
+    engine.add_argument(
+        "--host-cache-bytes",
+        type=_parse_bytes,
+        default=0,
+        help="second tier for evicted prefix blocks, e.g. 4GiB (default 0: none)",
+    )
+    engine.add_argument(
+        "--host-cache-load",
+        default="auto",
+        choices=["auto", "always"],
+        help="auto: copy a host hit back only when measured cheaper than recomputing it",
+    )
+    engine.add_argument(
+        "--host-cache-path", default=None, help="keep the second tier in this file (disk)"
+    )
     engine.add_argument("--device", default="cpu")
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--log-level", default="info")
@@ -134,6 +149,9 @@ def _serve_engine(args: argparse.Namespace) -> int:
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=args.eviction_policy,
+        host_cache_bytes=args.host_cache_bytes,
+        host_cache_path=args.host_cache_path,
+        host_cache_load=args.host_cache_load,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,

@@ -26,7 +26,7 @@ def run(kv: KVCacheManager, rid: str, tokens: list[int], now: float, salt: str =
     cached = kv.match(salt, tokens)
     assert kv.allocate_slots(rid, len(tokens), now, cached)
     kv.cache_blocks(rid, salt, lambda a, b: tokens[a:b], len(tokens), now)
-    return len(cached) * BS
+    return cached.num_blocks * BS
 
 
 def test_match_full_blocks_only_and_never_the_last_token() -> None:
@@ -71,8 +71,8 @@ def test_eviction_frees_idle_leaves_lru_first_and_publishes_events() -> None:
     assert kv.num_available_blocks == 6 and cache.pool.num_free_blocks == 2
     # 4 new blocks needed, 2 free: the two blocks of "old" go (leaf first, then its parent)
     assert kv.allocate_slots("x", 16, 10.0)
-    assert kv.match("", [1] * 4 + [2] * 4 + [0]) == []
-    assert len(kv.match("", [3] * 4 + [4] * 4 + [0])) == 2
+    assert kv.match("", [1] * 4 + [2] * 4 + [0]).num_blocks == 0
+    assert kv.match("", [3] * 4 + [4] * 4 + [0]).num_blocks == 2
     stored = [e for e in events if e.kind == "stored"]
     removed = [e for e in events if e.kind == "removed"]
     assert len(stored) == 2 and len(removed) == 1 and len(removed[0].block_hashes) == 2
@@ -128,7 +128,7 @@ def test_tree_and_pool_invariants_under_random_traffic(
             rid = f"r{step}"
             tokens = [which * 100 + (i % 7) for i in range(length)]
             cached = kv.match(salt, tokens)
-            assert all(n.salt == salt for n in cached)
+            assert all(n.salt == salt for n in cached.device)
             held = {b for r in open_requests for b in kv.block_table(r)}
             if kv.allocate_slots(rid, length, now, cached):
                 kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], length, now)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from infercloud.engine.llm import LLM
+from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import SchedulerConfig
 from tests.engine.test_correctness import reference_greedy
@@ -82,6 +83,51 @@ def test_salts_isolate_offline(tiny_model_dir: Path) -> None:
     assert cached_tokens("a1", "tenant-a") == 0
     assert cached_tokens("b1", "tenant-b") == 0
     assert cached_tokens("a2", "tenant-a") == 48
+
+
+def distinct_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.mark.parametrize("backing", ["memory", "disk"])
+def test_hit_from_the_second_tier_gives_the_same_greedy_output(
+    tiny_model_dir: Path, tmp_path: Path, backing: str
+) -> None:
+    """A device pool of 5 blocks holds one request: the next one evicts the first's prefix to
+    the host tier, and the first prompt, sent again, loads it back instead of recomputing.
+
+    Loads are forced: for the tiny model, recomputing a block can be cheaper than copying it
+    (the measured decision is tested in tests/cache/test_host_tier.py, and on the real model
+    in benchmarks/prefix_cache.py)."""
+    config = ModelConfig.from_folder(tiny_model_dir)
+    block_bytes = 16 * config.kv_bytes_per_token * 4  # float32
+    path = str(tmp_path / "host.kv") if backing == "disk" else None
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=5 * block_bytes,
+        host_cache_bytes=64 * block_bytes,
+        host_cache_path=path,
+        host_cache_load="always",  # the tiny model may recompute faster than a copy (see below)
+    )
+    a, b = distinct_prompts(config.vocab_size, 2, 57)  # 3 full blocks reusable (+ 9 tokens)
+    cold = reference_greedy(tiny_model_dir, [a, b], 12)
+    first = llm.generate([a], GREEDY)[0]
+    assert first.token_ids == cold[0] and first.num_cached_tokens == 0
+    assert llm.generate([b], GREEDY)[0].token_ids == cold[1]  # evicts a's blocks to the host
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_saved_to_host >= 3 and stats.host_cache_blocks >= 3
+    again = llm.generate([a], GREEDY)[0]
+    assert again.token_ids == cold[0]
+    assert again.num_cached_tokens == 48
+    stats = llm.engine.stats()
+    assert stats.host_cache_hits_tokens == 48 and stats.kv_blocks_loaded_from_host == 3
+    assert stats.prefix_cache_hits_tokens == 0  # nothing of it was left on the device
+    # the loaded blocks are device cache entries again: the next hit needs no copy
+    assert llm.generate([a], GREEDY)[0].num_cached_tokens == 48
+    assert llm.engine.stats().kv_blocks_loaded_from_host == 3
+    if backing == "disk":
+        assert (tmp_path / "host.kv").stat().st_size >= 64 * block_bytes
 
 
 @pytest.mark.slow

@@ -9,18 +9,69 @@ prefix (`match` then `allocate_slots(..., cached=...)`), each full block a reque
 offered to the cache (`cache_blocks`), and when the pool runs short, idle cached blocks are
 evicted to make room before a request is refused.
 
+With a `SecondTier` as well, evicted blocks are copied to the host tier instead of vanishing,
+and a match continues past the device prefix into the host tier for as long as copying each
+block back is cheaper than recomputing it (`TransferCostModel`); `allocate_slots` then loads
+those blocks into fresh device blocks. The copies run synchronously through a `BlockMover`:
+a block is saved while it is evicted, before anything can write to it again, and loaded before
+the step that reads it is scheduled. A match is a prefix: at the first host block that is
+missing or does not pay, the rest is recomputed.
+
 Invariants:
 - a request's table holds exactly `ceil(num_tokens / block_size)` blocks for the largest
   `num_tokens` that `allocate_slots` accepted since its last `free`;
-- `allocate_slots` is all or nothing: on refusal no block moves and nothing is evicted.
+- `allocate_slots` is all or nothing: on refusal no block moves and nothing is evicted;
+- host entries matched for a load are pinned until it is done, so saving evicted blocks in the
+  same call cannot overwrite them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.prefix_cache import CacheNode, PrefixCache
+from infercloud.cache.host_tier import HostEntry, HostTier
+from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, chain_hash, salt_hash
+from infercloud.cache.transfer_cost import TransferCostModel
+
+
+class BlockMover(Protocol):
+    """Copies KV blocks between the device pool and host slots (the engine's tensors)."""
+
+    def save(self, device_blocks: list[int], host_slots: list[int]) -> None: ...
+
+    def load(self, host_slots: list[int], device_blocks: list[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class SecondTier:
+    tier: HostTier
+    mover: BlockMover
+    cost: TransferCostModel
+    always_load: bool = False
+    """Load every host hit without asking `cost` (an operator's override, and for tests: a
+    tiny model recomputes a block faster than a page fault copies it)."""
+    num_saved_blocks: int = 0
+    """Device-to-host copies (migrations out)."""
+    num_loaded_blocks: int = 0
+    """Host-to-device copies (migrations back)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A new request's cached prefix: device blocks, then host blocks to load after them."""
+
+    device: list[CacheNode] = field(default_factory=list)
+    host: list[HostEntry] = field(default_factory=list)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.device) + len(self.host)
+
+
+NO_HIT = PrefixHit()
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -31,18 +82,33 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 class KVCacheManager:
     """Grows, reads and frees the block table of each request."""
 
-    __slots__ = ("_cached_upto", "_hit", "_tables", "block_pool", "block_size", "prefix_cache")
+    __slots__ = (
+        "_cached_upto",
+        "_hit",
+        "_tables",
+        "block_pool",
+        "block_size",
+        "prefix_cache",
+        "second_tier",
+    )
 
     def __init__(
-        self, block_pool: BlockPool, block_size: int, prefix_cache: PrefixCache | None = None
+        self,
+        block_pool: BlockPool,
+        block_size: int,
+        prefix_cache: PrefixCache | None = None,
+        second_tier: SecondTier | None = None,
     ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if prefix_cache is not None and prefix_cache.pool is not block_pool:
             raise ValueError("the prefix cache must share the manager's block pool")
+        if second_tier is not None and prefix_cache is None:
+            raise ValueError("a second tier needs a prefix cache in front of it")
         self.block_pool = block_pool
         self.block_size = block_size
         self.prefix_cache = prefix_cache
+        self.second_tier = second_tier
         self._tables: dict[str, list[int]] = {}
         self._cached_upto: dict[str, int] = {}
         """Blocks of each table already offered to the prefix cache."""
@@ -55,14 +121,30 @@ class KVCacheManager:
         idle = self.prefix_cache.num_idle if self.prefix_cache is not None else 0
         return self.block_pool.num_free_blocks + idle
 
-    def match(self, salt: str, token_ids: Sequence[int]) -> list[CacheNode]:
+    def match(self, salt: str, token_ids: Sequence[int]) -> PrefixHit:
         """Cached blocks a new request could start from (none without a prefix cache).
 
         At most `len(token_ids) - 1` tokens: the last one is always computed, for its logits.
         """
         if self.prefix_cache is None:
-            return []
-        return self.prefix_cache.match(salt, token_ids, len(token_ids) - 1)
+            return NO_HIT
+        max_tokens = len(token_ids) - 1
+        device = self.prefix_cache.match(salt, token_ids, max_tokens)
+        second = self.second_tier
+        if second is None or not len(second.tier):
+            return PrefixHit(device)
+        bs = self.block_size
+        host: list[HostEntry] = []
+        parent = device[-1].block_hash if device else salt_hash(salt)
+        for start in range(len(device) * bs, max(0, max_tokens) // bs * bs, bs):
+            key = tuple(token_ids[start : start + bs])
+            block_hash = chain_hash(parent, key)
+            entry = second.tier.lookup(salt, parent, key, block_hash)
+            if entry is None or not (second.always_load or second.cost.load_pays(start)):
+                break
+            host.append(entry)
+            parent = block_hash
+        return PrefixHit(device, host)
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that the request's table can hold `num_tokens` tokens."""
@@ -74,14 +156,18 @@ class KVCacheManager:
         request_id: str,
         num_tokens: int,
         now_s: float = 0.0,
-        cached: Sequence[CacheNode] = (),
+        hit: PrefixHit = NO_HIT,
     ) -> bool:
         """Grow the table to hold `num_tokens` tokens; False (and no change) if blocks lack.
 
-        `cached`, for a request without a table yet, are matched blocks it starts from.
+        `hit`, for a request without a table yet, is the matched prefix it starts from; its
+        host blocks are loaded into the first new blocks, so `num_tokens` must cover them.
         """
-        if cached and request_id in self._tables:
+        cached = hit.device
+        if hit.num_blocks and request_id in self._tables:
             raise ValueError(f"request {request_id!r} already has blocks; cannot start from cache")
+        if num_blocks_for(num_tokens, self.block_size) < hit.num_blocks:
+            raise ValueError("num_tokens must cover the matched prefix")
         needed = max(0, self.num_new_blocks_needed(request_id, num_tokens) - len(cached))
         cache = self.prefix_cache
         if cache is None:
@@ -96,14 +182,62 @@ class KVCacheManager:
                 cache.acquire(cached, now_s)
             shortfall = needed - self.block_pool.num_free_blocks
             if shortfall > 0:
-                cache.evict(shortfall, now_s)
+                self._evict(shortfall, now_s, pinned=hit.host)
         table = self._tables.setdefault(request_id, [])
         table.extend(n.block_id for n in cached)
-        if cached:
+        if hit.num_blocks:
             self._cached_upto[request_id] = len(cached)
             self._hit.add(request_id)
-        table.extend(self.block_pool.allocate(needed))
+        new_blocks = self.block_pool.allocate(needed)
+        if hit.host:
+            self._load(hit.host, new_blocks[: len(hit.host)])
+        table.extend(new_blocks)
         return True
+
+    def _evict(self, num_blocks: int, now_s: float, pinned: list[HostEntry]) -> None:
+        """Evict idle device blocks; with a second tier, save them there first."""
+        assert self.prefix_cache is not None
+        evicted = self.prefix_cache.evict(num_blocks, now_s)
+        second = self.second_tier
+        if second is None or not evicted:
+            return
+        tier = second.tier
+        tier.pin(pinned)
+        try:
+            blocks: list[int] = []
+            slots: list[int] = []
+            stored: list[tuple[str, int]] = []
+            dropped: list[tuple[str, int]] = []
+            for node in evicted:
+                assert node.parent is not None
+                if node.block_hash in tier:
+                    tier.touch(node.block_hash)
+                    continue
+                entry, gone = tier.put(node.salt, node.parent.block_hash, node.key, node.block_hash)
+                dropped.extend((e.salt, e.block_hash) for e in gone)
+                if entry is not None:
+                    blocks.append(node.block_id)
+                    slots.append(entry.slot)
+                    stored.append((node.salt, node.block_hash))
+        finally:
+            tier.unpin(pinned)
+        if blocks:
+            second.mover.save(blocks, slots)
+            second.num_saved_blocks += len(blocks)
+        on_event = self.prefix_cache.on_event
+        if on_event is not None:
+            for kind, pairs in (("removed", dropped), ("stored", stored)):
+                for salt in dict.fromkeys(s for s, _ in pairs):
+                    hashes = tuple(h for s, h in pairs if s == salt)
+                    on_event(CacheEvent(kind, hashes, None, salt, now_s, medium="host"))
+
+    def _load(self, entries: list[HostEntry], device_blocks: list[int]) -> None:
+        second = self.second_tier
+        assert second is not None
+        second.mover.load([e.slot for e in entries], device_blocks)
+        second.num_loaded_blocks += len(entries)
+        for e in entries:
+            second.tier.touch(e.block_hash)
 
     def cache_blocks(
         self,

@@ -77,6 +77,10 @@ class CacheEvent:
     parent_hash: int | None
     salt: str
     time_s: float
+    medium: str = "device"
+    """Where the blocks are (or were): "device" (the engine's pool) or "host" (the second tier).
+    A "stored" event with a parent hash continues that block's chain; the second tier's events
+    carry none (their blocks may hang off a chain that is partly on the device)."""
 
 
 class PrefixCache:

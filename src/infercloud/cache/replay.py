@@ -159,7 +159,7 @@ def replay(
         rid = str(index)
         cached = kv.match(r.salt, (*r.hash_ids, -1))  # all n blocks may hit
         fits = kv.allocate_slots(rid, n, now, cached)
-        hit = len(cached) if fits else 0
+        hit = cached.num_blocks if fits else 0
         if not fits:
             uncacheable += 1
         hit_tok = sum(r.block_tokens(i) for i in range(hit))

@@ -24,6 +24,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: str = "lru"
     """Which idle cached blocks go first when the pool is full: "lru" or "value"."""
+    host_cache_bytes: int = 0
+    """Size of the second tier that evicted prefix blocks move to (0: none; needs caching on)."""
+    host_cache_path: str | None = None
+    """Back the second tier by a memory-mapped file at this path (disk) instead of memory."""
+    host_cache_load: str = "auto"
+    """"auto": load a host hit back when copying is measured to be cheaper than recomputing;
+    "always": load every host hit."""
     packed_linear: bool = True
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -12,16 +12,20 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import make_policy
-from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.cache.host_tier import HostTier
+from infercloud.cache.kv_cache_manager import KVCacheManager, SecondTier
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
+from infercloud.cache.transfer_cost import TransferCostModel, attention_pairs
 from infercloud.engine.config import EngineConfig
 from infercloud.engine.detokenizer import IncrementalDetokenizer
+from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
 from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.model_runner import DTYPES, ModelRunner, num_kv_blocks_for_bytes
 from infercloud.engine.outputs import RequestOutput
@@ -59,6 +63,13 @@ class EngineStats:
     prefix_cache_hits_tokens: int = 0
     prefix_cache_blocks: int = 0
     prefix_cache_evicted_blocks: int = 0
+    host_cache_enabled: bool = False
+    host_cache_queries_tokens: int = 0
+    host_cache_hits_tokens: int = 0
+    host_cache_blocks: int = 0
+    host_cache_evicted_blocks: int = 0
+    kv_blocks_saved_to_host: int = 0
+    kv_blocks_loaded_from_host: int = 0
 
 
 @dataclass(slots=True)
@@ -122,9 +133,30 @@ class LLMEngine:
             seed=config.seed,
             packed_linear=config.packed_linear,
         )
+        self.second_tier = self._second_tier(config, num_blocks)
+        self.kv_cache.second_tier = self.second_tier
         self._tracked: dict[str, _Tracked] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+
+    def _second_tier(self, config: EngineConfig, num_blocks: int) -> SecondTier | None:
+        if config.host_cache_bytes <= 0:
+            return None
+        if self.prefix_cache is None:
+            raise ValueError("a host cache needs prefix caching on")
+        if config.host_cache_load not in ("auto", "always"):
+            raise ValueError(
+                f"host_cache_load must be auto or always, got {config.host_cache_load!r}"
+            )
+        pool = self.runner.kv_cache
+        num_slots = host_slots_for_bytes(pool, num_blocks, config.host_cache_bytes)
+        if num_slots < 1:
+            raise ValueError(f"host_cache_bytes={config.host_cache_bytes} holds no KV block")
+        cost = TransferCostModel(config.block_size)
+        path = Path(config.host_cache_path) if config.host_cache_path else None
+        store = HostKVStore(pool, num_blocks, num_slots, cost, path)
+        store.calibrate()
+        return SecondTier(HostTier(num_slots), store, cost, config.host_cache_load == "always")
 
     def _record_kv_event(self, event: CacheEvent) -> None:
         with self._kv_events_lock:
@@ -227,7 +259,22 @@ class LLMEngine:
             prefix_cache_evicted_blocks=(
                 self.prefix_cache.num_evicted_blocks if self.prefix_cache is not None else 0
             ),
+            **self._host_stats(),
         )
+
+    def _host_stats(self) -> dict[str, Any]:
+        second = self.second_tier
+        if second is None:
+            return {}
+        return {
+            "host_cache_enabled": True,
+            "host_cache_queries_tokens": self.scheduler.host_cache_queries_tokens,
+            "host_cache_hits_tokens": self.scheduler.host_cache_hits_tokens,
+            "host_cache_blocks": len(second.tier),
+            "host_cache_evicted_blocks": second.tier.num_evicted,
+            "kv_blocks_saved_to_host": second.num_saved_blocks,
+            "kv_blocks_loaded_from_host": second.num_loaded_blocks,
+        }
 
     # -- one step -------------------------------------------------------------------------------
 
@@ -236,7 +283,12 @@ class LLMEngine:
         if output.is_empty:
             return []
         suppressed = self._suppressed_tokens(output.chunks)
+        started_s = time.perf_counter()
         result = self.runner.execute(output, self.kv_cache, suppressed)
+        if self.second_tier is not None:
+            pairs = sum(attention_pairs(c.start, c.num_tokens) for c in output.chunks)
+            elapsed_s = time.perf_counter() - started_s
+            self.second_tier.cost.observe_step(output.num_batched_tokens, pairs, elapsed_s)
         sampled = {
             chunk.request.request_id: token
             for chunk, token in zip(

@@ -10,8 +10,9 @@ its blocks are freed and it goes back to the waiting queue to be recomputed late
 has computed all its tokens, the step samples its next token.
 
 With a prefix cache, a waiting request that has computed nothing starts from the longest cached
-prefix of its tokens (same salt): those tokens count as computed at once, and only the rest is
-scheduled. After each step the full blocks a request has computed are offered to the cache.
+prefix of its tokens (same salt), on the device or loaded back from the second tier: those
+tokens count as computed at once, and only the rest is scheduled. After each step the full
+blocks a request has computed are offered to the cache.
 
 Pure policy: no torch, no clock reads; the caller passes `now_s`.
 
@@ -26,8 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infercloud.cache.kv_cache_manager import KVCacheManager
-from infercloud.cache.prefix_cache import CacheNode
+from infercloud.cache.kv_cache_manager import NO_HIT, KVCacheManager
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_queue import SchedulingPolicy, make_queue
 
@@ -97,6 +97,11 @@ class Scheduler:
         self.prefix_cache_queries_tokens = 0
         """Tokens looked up in the prefix cache (prompt or recomputed context at admission)."""
         self.prefix_cache_hits_tokens = 0
+        """Of those, tokens found on the device."""
+        self.host_cache_queries_tokens = 0
+        """Tokens looked up in the second tier: those the device did not have."""
+        self.host_cache_hits_tokens = 0
+        """Of those, tokens loaded back from the second tier instead of recomputed."""
 
     # -- queue management --------------------------------------------------------------------
 
@@ -175,19 +180,24 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek()
-                cached: list[CacheNode] = []
+                hit = NO_HIT
                 if request.num_computed_tokens == 0:
-                    cached = self.kv_cache.match(request.cache_salt, request.all_token_ids())
-                num_cached = len(cached) * self.kv_cache.block_size
+                    hit = self.kv_cache.match(request.cache_salt, request.all_token_ids())
+                bs = self.kv_cache.block_size
+                num_cached = hit.num_blocks * bs
                 start = max(request.num_computed_tokens, num_cached)
                 num_new = min(request.num_tokens - start, budget, cfg.long_prefill_token_threshold)
                 target = start + num_new
-                if not self.kv_cache.allocate_slots(request.request_id, target, now_s, cached):
+                if not self.kv_cache.allocate_slots(request.request_id, target, now_s, hit):
                     break
                 self.waiting.pop()
                 if request.num_computed_tokens == 0:
+                    device_tokens = len(hit.device) * bs
                     self.prefix_cache_queries_tokens += request.num_tokens
-                    self.prefix_cache_hits_tokens += num_cached
+                    self.prefix_cache_hits_tokens += device_tokens
+                    if self.kv_cache.second_tier is not None:
+                        self.host_cache_queries_tokens += request.num_tokens - device_tokens
+                        self.host_cache_hits_tokens += len(hit.host) * bs
                     if request.num_cached_tokens is None:
                         request.num_cached_tokens = num_cached
                 request.num_computed_tokens = start

@@ -145,6 +145,7 @@ def create_app(
                     "block_hashes": list(e.block_hashes),
                     "parent_block_hash": e.parent_hash,
                     "salt": e.salt,
+                    "medium": e.medium,
                     "time_s": e.time_s,
                 }
                 for e in events

@@ -60,33 +60,54 @@ class _StatsCollector(Collector):
             ("num_preemptions", "Preemptions by recompute.", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
-            (
-                "prefix_cache_evictions",
-                "Cached KV blocks evicted to make room.",
-                s.prefix_cache_evicted_blocks,
-            ),
         ):
             c = CounterMetricFamily(f"infercloud:{name}", doc, labels=labels)
             c.add_metric([self._model], value)
             yield c
-        # Per tier (only the device pool for now), in tokens as vLLM counts them.
+        # Per tier, in tokens as vLLM counts them: "device" is the engine's pool, "host" the
+        # second tier (queried for the tokens the device did not have).
         tiered = ["model_name", "tier"]
-        for name, doc, value in (
+        host = s.host_cache_enabled
+        for name, doc, device_value, host_value in (
             (
                 "prefix_cache_queries",
                 "Tokens looked up in the prefix cache.",
                 s.prefix_cache_queries_tokens,
+                s.host_cache_queries_tokens,
             ),
-            ("prefix_cache_hits", "Tokens found in the prefix cache.", s.prefix_cache_hits_tokens),
+            (
+                "prefix_cache_hits",
+                "Tokens found in the prefix cache.",
+                s.prefix_cache_hits_tokens,
+                s.host_cache_hits_tokens,
+            ),
+            (
+                "prefix_cache_evictions",
+                "Cached KV blocks evicted from a tier (from the device to the host, if any).",
+                s.prefix_cache_evicted_blocks,
+                s.host_cache_evicted_blocks,
+            ),
         ):
             c = CounterMetricFamily(f"infercloud:{name}", doc, labels=tiered)
-            c.add_metric([self._model, "device"], value)
+            c.add_metric([self._model, "device"], device_value)
+            if host:
+                c.add_metric([self._model, "host"], host_value)
             yield c
         g = GaugeMetricFamily(
-            "infercloud:prefix_cache_blocks", "KV blocks held by the prefix cache.", labels=labels
+            "infercloud:prefix_cache_blocks", "KV blocks held by the prefix cache.", labels=tiered
         )
-        g.add_metric([self._model], s.prefix_cache_blocks)
+        g.add_metric([self._model, "device"], s.prefix_cache_blocks)
+        if host:
+            g.add_metric([self._model, "host"], s.host_cache_blocks)
         yield g
+        c = CounterMetricFamily(
+            "infercloud:kv_block_migrations",
+            "KV blocks copied between tiers.",
+            labels=["model_name", "direction"],
+        )
+        c.add_metric([self._model, "device_to_host"], s.kv_blocks_saved_to_host)
+        c.add_metric([self._model, "host_to_device"], s.kv_blocks_loaded_from_host)
+        yield c
 
 
 class EngineMetrics:
