@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,18 +36,30 @@ def free_port() -> int:
 
 
 class EngineServer:
-    def __init__(self, args: list[str], timeout_s: float = 120.0) -> None:
+    """`infercloud <command> --port P ...` in a subprocess, its output in a temporary log file;
+    ready once `/health` answers 200."""
+
+    def __init__(
+        self,
+        args: list[str],
+        timeout_s: float = 120.0,
+        command: str = "engine",
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "infercloud", "engine", "--port", str(self.port), *args]
+        cmd = [sys.executable, "-m", "infercloud", command, "--port", str(self.port), *args]
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - lives as long as the server
+            prefix=f"infercloud-{command}-", suffix=".log"
+        )
         self.process = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=dict(os.environ)
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                output = self.process.stdout.read().decode() if self.process.stdout else ""
-                raise RuntimeError(f"engine exited with {self.process.returncode}:\n{output}")
+                output = Path(self.log.name).read_text()[-4000:]
+                raise RuntimeError(f"{command} exited with {self.process.returncode}:\n{output}")
             try:
                 if httpx.get(self.base_url + "/health", timeout=1.0).status_code == 200:
                     return
@@ -54,7 +67,7 @@ class EngineServer:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError("engine server did not become healthy")
+        raise TimeoutError(f"{command} server did not become healthy")
 
     def metric(self, name: str) -> float:
         text = httpx.get(self.base_url + "/metrics", timeout=5.0).text
@@ -70,8 +83,7 @@ class EngineServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
-        if self.process.stdout:
-            self.process.stdout.close()
+        self.log.close()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""The `infercloud` command: `engine` serves one replica, `models` lists what can be served."""
+"""The `infercloud` command: `serve` starts the platform (gateway and replicas), `engine` serves
+one replica, `keys` and `usage` manage tenants' keys and read usage records, `models` lists what
+can be served, `cache-replay` replays a trace through the prefix cache."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
+from infercloud.gateway import cli as gateway_cli
 from infercloud.models.registry import DEFAULT_MODEL_NAME
 
 
@@ -84,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--prefill-tokens-per-s", type=float, default=20_000.0)
     replay.add_argument("--decode-ms-per-token", type=float, default=20.0)
     replay.add_argument("--json", action="store_true", help="print JSON")
+    gateway_cli.add_commands(sub)
     return parser
 
 
@@ -103,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve_engine(args)
     if args.command == "cache-replay":
         return _cache_replay(args)
+    if args.command in ("serve", "keys", "usage"):
+        return gateway_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -86,7 +86,7 @@ def test_host_tier_lookup_is_verified_and_lru() -> None:
 
 def test_cost_model_fits_step_times_and_decides_by_depth() -> None:
     cost = TransferCostModel(block_size=16)
-    assert cost.load_pays(0)  # nothing measured yet
+    assert cost.blocks_worth_loading(0, 5) == 5  # nothing measured yet: load
     overhead, per_token, per_pair = 0.002, 1e-4, 1e-7
     for tokens, start in [(1, 100), (16, 0), (64, 0), (128, 256), (8, 1000), (256, 512)] * 3:
         pairs = attention_pairs(start, tokens)
@@ -97,8 +97,10 @@ def test_cost_model_fits_step_times_and_decides_by_depth() -> None:
     shallow, deep = cost.recompute_s(0), cost.recompute_s(4096)
     assert shallow is not None and deep is not None and deep > shallow
     cost.observe_copy(4, 4 * (shallow + deep) / 2)  # a copy dearer than a shallow recompute
-    assert not cost.load_pays(0)
-    assert cost.load_pays(4096)
+    assert cost.blocks_worth_loading(0, 1) == 0  # a shallow block alone: recompute it
+    assert cost.blocks_worth_loading(4096, 1) == 1  # a deep one: copy it back
+    # a run from the start to deep blocks: the shallow ones are loaded too, for the deep ones
+    assert cost.blocks_worth_loading(0, 400) == 400
 
 
 def test_evicted_prefix_comes_back_from_the_host_tier() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -12,8 +13,11 @@ from tests.conftest import EngineServer
 
 
 @pytest.fixture(scope="module")
-def client(tiny_server: EngineServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0)
+def client(tiny_server: EngineServer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(
+        base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0
+    ) as client:
+        yield client
 
 
 def test_models_lists_served_model(client: openai.OpenAI) -> None:

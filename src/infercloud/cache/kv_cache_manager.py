@@ -11,11 +11,12 @@ evicted to make room before a request is refused.
 
 With a `SecondTier` as well, evicted blocks are copied to the host tier instead of vanishing,
 and a match continues past the device prefix into the host tier for as long as copying each
-block back is cheaper than recomputing it (`TransferCostModel`); `allocate_slots` then loads
-those blocks into fresh device blocks. The copies run synchronously through a `BlockMover`:
+block back is cheaper than recomputing it, or its shallow blocks are cheap but the deeper ones
+make up for them (`TransferCostModel.blocks_worth_loading`); `allocate_slots` then loads those
+blocks into fresh device blocks. The copies run synchronously through a `BlockMover`:
 a block is saved while it is evicted, before anything can write to it again, and loaded before
-the step that reads it is scheduled. A match is a prefix: at the first host block that is
-missing or does not pay, the rest is recomputed.
+the step that reads it is scheduled. A match is a prefix: from the first host block that is
+missing, or past the loaded part, the rest is recomputed.
 
 Invariants:
 - a request's table holds exactly `ceil(num_tokens / block_size)` blocks for the largest
@@ -136,14 +137,17 @@ class KVCacheManager:
         bs = self.block_size
         host: list[HostEntry] = []
         parent = device[-1].block_hash if device else salt_hash(salt)
-        for start in range(len(device) * bs, max(0, max_tokens) // bs * bs, bs):
+        first = len(device) * bs
+        for start in range(first, max(0, max_tokens) // bs * bs, bs):
             key = tuple(token_ids[start : start + bs])
             block_hash = chain_hash(parent, key)
             entry = second.tier.lookup(salt, parent, key, block_hash)
-            if entry is None or not (second.always_load or second.cost.load_pays(start)):
+            if entry is None:
                 break
             host.append(entry)
             parent = block_hash
+        if host and not second.always_load:
+            del host[second.cost.blocks_worth_loading(first, len(host)) :]
         return PrefixHit(device, host)
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:

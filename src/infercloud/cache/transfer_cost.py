@@ -10,7 +10,12 @@ measured step times to
 the step's tokens, of the context each attends to), so that recomputing the block starting at
 token `p` costs `s_per_token * B + s_per_pair * (B * p + B * (B + 1) / 2)`. Copying a block back
 costs the measured mean seconds per block of the loads done so far (the caller seeds it with one
-timed copy at start-up). A load pays when it is cheaper than the recompute.
+timed copy at start-up). A block's load pays when it is cheaper than its recompute.
+
+A request's computed tokens are a prefix, so of a run of host blocks only a leading part can be
+loaded (the rest is recomputed after it). `blocks_worth_loading` picks the length whose total
+saving (recompute minus copy, summed) is largest: shallow blocks that are cheap to recompute
+are still loaded when the deeper ones behind them make up for it.
 
 Pure: observations come in with their durations; no clock is read here.
 """
@@ -85,14 +90,18 @@ class TransferCostModel:
         bs = self.block_size
         return per_token * bs + per_pair * attention_pairs(start_token, bs)
 
-    def load_pays(self, start_token: int) -> bool:
-        """Copy the block starting at `start_token` back rather than recompute it?
-
-        Before either speed is known, a load is assumed to pay (a copy moves bytes; a recompute
-        runs every layer), and the first measurements correct that.
-        """
+    def blocks_worth_loading(self, first_start_token: int, num_blocks: int) -> int:
+        """How many of `num_blocks` consecutive host blocks, the first starting at
+        `first_start_token`, to load: the prefix with the largest total saving (all of them
+        while either speed is unknown)."""
         copy_s = self.copy_s_per_block
-        recompute_s = self.recompute_s(start_token)
-        if copy_s is None or recompute_s is None:
-            return True
-        return copy_s < recompute_s
+        if copy_s is None or self.coefficients() is None:
+            return num_blocks
+        best, best_saving, saving = 0, 0.0, 0.0
+        for i in range(num_blocks):
+            recompute_s = self.recompute_s(first_start_token + i * self.block_size)
+            assert recompute_s is not None
+            saving += recompute_s - copy_s  # this block's load pays when positive
+            if saving > best_saving:
+                best, best_saving = i + 1, saving
+        return best

@@ -70,6 +70,10 @@ class EngineStats:
     host_cache_evicted_blocks: int = 0
     kv_blocks_saved_to_host: int = 0
     kv_blocks_loaded_from_host: int = 0
+    host_copy_s_per_block: float = 0.0
+    """Measured seconds to load one block back from the host tier."""
+    recompute_s_per_first_block: float = 0.0
+    """Estimated seconds to recompute a prompt's first block (deeper ones cost more)."""
 
 
 @dataclass(slots=True)
@@ -274,6 +278,8 @@ class LLMEngine:
             "host_cache_evicted_blocks": second.tier.num_evicted,
             "kv_blocks_saved_to_host": second.num_saved_blocks,
             "kv_blocks_loaded_from_host": second.num_loaded_blocks,
+            "host_copy_s_per_block": second.cost.copy_s_per_block or 0.0,
+            "recompute_s_per_first_block": second.cost.recompute_s(0) or 0.0,
         }
 
     # -- one step -------------------------------------------------------------------------------

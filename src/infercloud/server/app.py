@@ -16,11 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from infercloud.engine.async_engine import AsyncEngine, EngineDeadError
 from infercloud.engine.config import EngineConfig
@@ -28,7 +25,12 @@ from infercloud.engine.llm_engine import LLMEngine, RequestRejectedError
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
-from infercloud.server.errors import APIError, error_response
+from infercloud.server.errors import (
+    APIError,
+    BodyLimitMiddleware,
+    error_response,
+    install_error_handlers,
+)
 from infercloud.server.metrics import EngineMetrics
 from infercloud.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -92,28 +94,7 @@ def create_app(
     tokenizer = llm.tokenizer
     decoder = tokenizer.backend_tokenizer
 
-    # -- errors ---------------------------------------------------------------------------------
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        if any(e.get("type") == "json_invalid" for e in errors):
-            return error_response(400, "request body is not valid JSON", code="invalid_json")
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in errors
-        )
-        return error_response(400, message, param=".".join(loc) or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+    install_error_handlers(app)
 
     # -- small endpoints ------------------------------------------------------------------------
 
@@ -407,31 +388,6 @@ def create_app(
         )
 
     return app
-
-
-class BodyLimitMiddleware:
-    """Answer 413 before reading a body whose declared length is over the limit (pure ASGI)."""
-
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
-        self.app = app
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if (
-                    name == b"content-length"
-                    and value.isdigit()
-                    and int(value) > self.max_body_bytes
-                ):
-                    response = error_response(
-                        413,
-                        f"request body of {int(value)} bytes exceeds the limit of "
-                        f"{self.max_body_bytes}",
-                    )
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
 
 
 def _sse(payload: dict[str, Any]) -> str:

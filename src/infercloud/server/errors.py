@@ -7,7 +7,13 @@ same shapes and status codes.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 _TYPES = {
     400: "invalid_request_error",
@@ -47,3 +53,77 @@ def error_response(
     status: int, message: str, *, param: str | None = None, code: str | None = None
 ) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
+    """(message, param, code) for a request body that failed validation."""
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return "request body is not valid JSON", None, "invalid_json"
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = "; ".join(
+        f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+        for e in errors
+    )
+    return message, ".".join(loc) or None, None
+
+
+def install_error_handlers(
+    app: FastAPI,
+    on_invalid: Callable[[Request, str], Awaitable[None]] | None = None,
+) -> None:
+    """Answer `APIError`, validation errors and routing errors (404, 405) in OpenAI's format.
+
+    `on_invalid(request, message)`, if given, is awaited for each body that fails validation.
+    """
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param, code = validation_message(exc)
+        if on_invalid is not None:
+            await on_invalid(request, message)
+        return error_response(400, message, param=param, code=code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+
+class BodyLimitMiddleware:
+    """Answer 413 before reading a body whose declared length is over the limit (pure ASGI).
+
+    `on_refuse(scope, status, message)`, if given, is awaited first (the gateway records it).
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        max_body_bytes: int,
+        on_refuse: Callable[[Scope, int, str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.on_refuse = on_refuse
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if (
+                    name == b"content-length"
+                    and value.isdigit()
+                    and int(value) > self.max_body_bytes
+                ):
+                    message = (
+                        f"request body of {int(value)} bytes exceeds the limit of "
+                        f"{self.max_body_bytes}"
+                    )
+                    if self.on_refuse is not None:
+                        await self.on_refuse(scope, 413, message)
+                    await error_response(413, message)(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)

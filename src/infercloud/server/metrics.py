@@ -100,6 +100,22 @@ class _StatsCollector(Collector):
         if host:
             g.add_metric([self._model, "host"], s.host_cache_blocks)
         yield g
+        if host:
+            for name, doc, value in (
+                (
+                    "host_cache_copy_seconds_per_block",
+                    "Measured time to load one KV block back from the host tier.",
+                    s.host_copy_s_per_block,
+                ),
+                (
+                    "recompute_seconds_per_first_block",
+                    "Estimated time to recompute a prompt's first KV block (fitted to steps).",
+                    s.recompute_s_per_first_block,
+                ),
+            ):
+                g = GaugeMetricFamily(f"infercloud:{name}", doc, labels=labels)
+                g.add_metric([self._model], value)
+                yield g
         c = CounterMetricFamily(
             "infercloud:kv_block_migrations",
             "KV blocks copied between tiers.",

@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI-compatible front door with tenants, keys, limits and usage records."""

@@ -1,0 +1,798 @@
+"""The gateway's HTTP app: authenticate, limit, admit, forward to a replica, record usage.
+
+One request's path, in order (each step can refuse it with an OpenAI error body):
+  1. authenticate the bearer key (401), find the model (404);
+  2. limits of its key and its tenant: requests and tokens per minute, concurrent requests,
+     budget for the period (429 with Retry-After and `x-ratelimit-*` headers);
+  3. admission: start now, wait in its priority class, or be shed (503 with Retry-After);
+  4. forward to a replica of the model (round robin until the router of a later issue), with the
+     tenant's cache salt, and for builtin replicas the class as the engine's priority;
+  5. relay the answer (streamed or not) and, whatever happened, write exactly one usage record
+     and settle the limits (the real prompt and output tokens, the money spent).
+
+`Flight` carries one request through steps 2-5; its `finish` is idempotent, so every path out
+(success, upstream error, client gone, refusal) ends in one record and one release of each slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from infercloud.gateway import keys as keyring
+from infercloud.gateway.admission import CLASSES, AdmissionQueue, Ticket
+from infercloud.gateway.config import DeploymentConfig, ModelDeployment, TenantLimits
+from infercloud.gateway.limits import Decision, Limits
+from infercloud.gateway.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    KeyCreate,
+)
+from infercloud.gateway.replicas import Replica
+from infercloud.gateway.store import KeyRecord, Store, UsageRecord
+from infercloud.gateway.usage_writer import UsageWriter
+from infercloud.server.errors import (
+    APIError,
+    BodyLimitMiddleware,
+    error_body,
+    error_response,
+    install_error_handlers,
+)
+
+log = logging.getLogger("infercloud.gateway")
+
+ADMIN_TENANT = "admin"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    tenant: str
+    key_id: str | None
+    priority: str
+    key: KeyRecord | None
+    """None for the admin key."""
+
+
+class Refusal(APIError):
+    """An APIError with extra response headers (Retry-After, x-ratelimit-*)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(status, message, code=code)
+        self.headers = headers or {}
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(seconds)))} if math.isfinite(seconds) else {}
+
+
+def _reset(seconds: float) -> str:
+    return f"{seconds:.3f}s" if math.isfinite(seconds) else "inf"
+
+
+def period_start_s(now_s: float, period: str) -> float:
+    """Start of the budget period (UTC day or calendar month) that contains `now_s`."""
+    t = dt.datetime.fromtimestamp(now_s, tz=dt.UTC)
+    start = t.replace(hour=0, minute=0, second=0, microsecond=0)
+    if period == "month":
+        start = start.replace(day=1)
+    return start.timestamp()
+
+
+@dataclass(slots=True)
+class Flight:
+    """One request between admission and its usage record."""
+
+    gateway: Gateway
+    request_id: str
+    endpoint: str
+    stream: bool
+    started_s: float
+    """Monotonic arrival time."""
+    created_at_s: float
+    """Wall-clock arrival time (for the record)."""
+    caller: Caller | None = None
+    deployment: ModelDeployment | None = None
+    replica: Replica | None = None
+    ticket: Ticket | None = None
+    admitted_s: float | None = None
+    first_token_s: float | None = None
+    prompt_tokens_charged: int = 0
+    slots: list[str] = field(default_factory=list)
+    tpm_keys: list[tuple[str, int]] = field(default_factory=list)
+    spend_keys: list[str] = field(default_factory=list)
+    done: bool = False
+
+    async def finish(
+        self,
+        outcome: str,
+        status: int,
+        usage: dict[str, Any] | None = None,
+        error: str | None = None,
+    ) -> None:
+        if self.done:
+            return
+        self.done = True
+        gw = self.gateway
+        now = gw.clock()
+        usage = usage or {}
+        prompt = int(usage.get("prompt_tokens") or 0)
+        completion = int(usage.get("completion_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        dep = self.deployment
+        cost = dep.price.cost_usd(prompt, cached, completion) if dep is not None else 0.0
+        if self.ticket is not None:
+            gw.release(self.deployment, self.ticket)
+        for key in self.slots:
+            await gw.limits.release_slot(key)
+        # Tokens per minute: charge the output and correct the prompt estimate.
+        correction = prompt + completion - self.prompt_tokens_charged if usage else 0
+        if correction:
+            for key, capacity in self.tpm_keys:
+                await gw.limits.take(key, capacity, capacity / 60.0, correction, force=True)
+        if cost:
+            ttl = gw.budget_ttl_s
+            for key in self.spend_keys:
+                await gw.limits.add_spend(key, cost, ttl)
+        caller = self.caller
+        record = UsageRecord(
+            request_id=self.request_id,
+            tenant=caller.tenant if caller else "",
+            key_id=caller.key_id if caller else None,
+            model=dep.name if dep else None,
+            replica=self.replica.name if self.replica else None,
+            endpoint=self.endpoint,
+            priority=self.ticket.priority if self.ticket else None,
+            status=status,
+            outcome=outcome,
+            error=error,
+            prompt_tokens=prompt,
+            cached_tokens=cached,
+            completion_tokens=completion,
+            cost_usd=cost,
+            queue_ms=(self.admitted_s - self.started_s) * 1e3 if self.admitted_s else None,
+            ttft_ms=(self.first_token_s - self.started_s) * 1e3 if self.first_token_s else None,
+            e2e_ms=(now - self.started_s) * 1e3,
+            stream=self.stream,
+            created_at_s=self.created_at_s,
+        )
+        gw.writer.record(record)
+        gw.metric_requests.labels(dep.name if dep else "", str(status), outcome).inc()
+
+
+def _getter(queue: AdmissionQueue, attr: str) -> Callable[[], float]:
+    return lambda: float(getattr(queue, attr))
+
+
+class Gateway:
+    def __init__(
+        self,
+        config: DeploymentConfig,
+        store: Store,
+        limits: Limits,
+        replicas: dict[str, list[Replica]],
+        admin_key: str,
+        token_counters: dict[str, Callable[[str], int]] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.limits = limits
+        self.replicas = replicas
+        self._admin_sha = hashlib.sha256(admin_key.encode()).hexdigest()
+        self.token_counters = token_counters or {}
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.writer = UsageWriter(store)
+        self.queues = {
+            m.name: AdmissionQueue(
+                max_inflight=m.max_inflight_per_replica * len(replicas.get(m.name, [])) or 1,
+                max_queued=config.gateway.max_queued,
+                weight=self._weight,
+            )
+            for m in config.models
+        }
+        self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        self._round_robin = {m.name: itertools.count() for m in config.models}
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self.registry = CollectorRegistry()
+        self.metric_requests = Counter(
+            "infercloud_gateway:requests",
+            "Requests by model, HTTP status and outcome.",
+            ["model", "status", "outcome"],
+            registry=self.registry,
+        )
+        self.metric_queued = Gauge(
+            "infercloud_gateway:queued_requests",
+            "Requests waiting for admission.",
+            ["model"],
+            registry=self.registry,
+        )
+        self.metric_inflight = Gauge(
+            "infercloud_gateway:inflight_requests",
+            "Requests admitted and not finished.",
+            ["model"],
+            registry=self.registry,
+        )
+        for name, queue in self.queues.items():
+            self.metric_queued.labels(name).set_function(_getter(queue, "num_queued"))
+            self.metric_inflight.labels(name).set_function(_getter(queue, "inflight"))
+
+    @property
+    def budget_ttl_s(self) -> float:
+        return 32 * 86400.0 if self.config.gateway.budget_period == "month" else 86400.0 + 3600
+
+    def _weight(self, tenant: str) -> float:
+        limits = self.config.tenants.get(tenant)
+        return limits.weight if limits else 1.0
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        await asyncio.to_thread(self.writer.close)
+        await self.limits.close()
+
+    # -- authentication -----------------------------------------------------------------------
+
+    async def authenticate(self, raw: Request) -> Caller:
+        return await self.authenticate_header(raw.headers.get("authorization", ""))
+
+    async def authenticate_header(self, header: str) -> Caller:
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise APIError(
+                401,
+                "You didn't provide an API key. Provide it as 'Authorization: Bearer KEY'.",
+                code="invalid_api_key",
+            )
+        token = token.strip()
+        if self.is_admin(token):
+            return Caller(ADMIN_TENANT, None, "interactive", None)
+        parsed = keyring.parse(token)
+        record = await asyncio.to_thread(self.store.get_key, parsed[0]) if parsed else None
+        if (
+            parsed is None
+            or record is None
+            or not keyring.verify(parsed[1], record.secret_sha256)
+            or record.revoked_at_s is not None
+        ):
+            raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return Caller(record.tenant, record.key_id, record.priority, record)
+
+    def is_admin(self, token: str) -> bool:
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        return hmac.compare_digest(digest, self._admin_sha)
+
+    async def require_admin(self, raw: Request) -> None:
+        header = raw.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not self.is_admin(token.strip()):
+            raise APIError(401, "this endpoint needs the admin key", code="invalid_api_key")
+
+    # -- limits -------------------------------------------------------------------------------
+
+    async def check_limits(
+        self, flight: Flight, caller: Caller, prompt_tokens: int
+    ) -> dict[str, str]:
+        """Take from every bucket that applies; raise `Refusal` (429) if one refuses.
+
+        Returns the `x-ratelimit-*` headers of the tightest request and token limits.
+        """
+        scopes: list[tuple[str, int | None, int | None, int | None, float | None]] = []
+        if caller.key is not None:
+            k = caller.key
+            scopes.append((f"k:{k.key_id}", k.rpm, k.tpm, k.max_concurrent, k.budget_usd))
+        tenant = self.config.tenants.get(caller.tenant, TenantLimits())
+        scopes.append(
+            (f"t:{caller.tenant}", tenant.rpm, tenant.tpm, tenant.max_concurrent, tenant.budget_usd)
+        )
+        headers: dict[str, str] = {}
+        requests_seen: Decision | None = None
+        tokens_seen: Decision | None = None
+        period = period_start_s(self.wall_clock(), self.config.gateway.budget_period)
+        for scope, rpm, tpm, max_concurrent, budget in scopes:
+            if budget is not None:
+                key = f"{scope}:{int(period)}"
+                spent = await self.limits.spend(key)
+                if spent is None:
+                    kind, _, ident = scope.partition(":")
+                    spent = await asyncio.to_thread(
+                        self.store.spend_usd,
+                        period,
+                        ident if kind == "t" else None,
+                        ident if kind == "k" else None,
+                    )
+                    await self.limits.init_spend(key, spent, self.budget_ttl_s)
+                if spent >= budget:
+                    raise Refusal(
+                        429,
+                        f"budget of {budget:.2f} USD for this {self.config.gateway.budget_period} "
+                        f"is spent ({spent:.4f} USD)",
+                        code="insufficient_quota",
+                    )
+                flight.spend_keys.append(key)
+            if rpm is not None:
+                d = await self.limits.take(f"{scope}:rpm", rpm, rpm / 60.0, 1)
+                h = {
+                    "x-ratelimit-limit-requests": str(rpm),
+                    "x-ratelimit-remaining-requests": str(max(0, math.floor(d.remaining))),
+                    "x-ratelimit-reset-requests": _reset(d.reset_s),
+                }
+                if not d.allowed:
+                    raise Refusal(
+                        429,
+                        f"Rate limit reached for requests: limit {rpm} per minute.",
+                        code="rate_limit_exceeded",
+                        headers={**headers, **h, **_retry_after(d.retry_after_s)},
+                    )
+                if requests_seen is None or d.remaining < requests_seen.remaining:
+                    requests_seen = d
+                    headers.update(h)
+            if tpm is not None:
+                if prompt_tokens > tpm:
+                    raise Refusal(
+                        429,
+                        f"Request too large: {prompt_tokens} prompt tokens, "
+                        f"limit {tpm} per minute.",
+                        code="request_too_large",
+                    )
+                d = await self.limits.take(f"{scope}:tpm", tpm, tpm / 60.0, prompt_tokens)
+                h = {
+                    "x-ratelimit-limit-tokens": str(tpm),
+                    "x-ratelimit-remaining-tokens": str(max(0, math.floor(d.remaining))),
+                    "x-ratelimit-reset-tokens": _reset(d.reset_s),
+                }
+                if not d.allowed:
+                    raise Refusal(
+                        429,
+                        f"Rate limit reached for tokens: limit {tpm} per minute.",
+                        code="rate_limit_exceeded",
+                        headers={**headers, **h, **_retry_after(d.retry_after_s)},
+                    )
+                flight.tpm_keys.append((f"{scope}:tpm", tpm))
+                if tokens_seen is None or d.remaining < tokens_seen.remaining:
+                    tokens_seen = d
+                    headers.update(h)
+            if max_concurrent is not None:
+                if not await self.limits.acquire_slot(f"{scope}:concurrent", max_concurrent):
+                    raise Refusal(
+                        429,
+                        f"Too many concurrent requests: limit {max_concurrent}.",
+                        code="rate_limit_exceeded",
+                        headers={**headers, "retry-after": "1"},
+                    )
+                flight.slots.append(f"{scope}:concurrent")
+        flight.prompt_tokens_charged = prompt_tokens if flight.tpm_keys else 0
+        return headers
+
+    # -- admission ----------------------------------------------------------------------------
+
+    async def admit(self, flight: Flight, deployment: ModelDeployment, ticket: Ticket) -> None:
+        queue = self.queues[deployment.name]
+        offer = queue.offer(ticket, self.clock())
+        for shed in offer.shed:
+            if shed is ticket:
+                raise Refusal(
+                    503,
+                    "the model is saturated; request shed",
+                    code="overloaded",
+                    headers={"retry-after": "1"},
+                )
+            waiter = self._waiters.pop(shed, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(
+                    Refusal(
+                        503,
+                        "shed for higher-priority traffic",
+                        code="overloaded",
+                        headers={"retry-after": "2"},
+                    )
+                )
+        if not offer.started:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters[ticket] = waiter
+            timeout = max(0.0, ticket.deadline_s - self.clock())
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            except TimeoutError:
+                self._waiters.pop(ticket, None)
+                if queue.cancel(ticket):
+                    self._start(deployment, queue.start_waiting())
+                    raise Refusal(
+                        503,
+                        "timed out waiting for admission",
+                        code="queue_timeout",
+                        headers={"retry-after": "2"},
+                    ) from None
+                # it started in the meantime: go on
+            except asyncio.CancelledError:
+                self._waiters.pop(ticket, None)
+                if queue.cancel(ticket):
+                    self._start(deployment, queue.start_waiting())
+                else:
+                    flight.ticket = ticket  # started: finish() releases its slot
+                raise
+        flight.ticket = ticket
+        flight.admitted_s = self.clock()
+
+    def release(self, deployment: ModelDeployment | None, ticket: Ticket) -> None:
+        if deployment is None:
+            return
+        queue = self.queues[deployment.name]
+        self._start(deployment, queue.release(ticket))
+
+    def _start(self, deployment: ModelDeployment, started: list[Ticket]) -> None:
+        for t in started:
+            waiter = self._waiters.pop(t, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+            else:  # nobody waits for it any more: give the slot back at once
+                self.release(deployment, t)
+
+    def pick_replica(self, deployment: ModelDeployment) -> Replica:
+        replicas = self.replicas.get(deployment.name) or []
+        if not replicas:
+            raise APIError(503, f"model {deployment.name!r} has no replica", code="no_replica")
+        return replicas[next(self._round_robin[deployment.name]) % len(replicas)]
+
+    def count_prompt_tokens(self, deployment: ModelDeployment, body: GenerationRequest) -> int:
+        if isinstance(body, CompletionRequest):
+            given = body.prompt_token_count()
+            if given is not None:
+                return given
+        text = (
+            body.prompt_text()
+            if isinstance(body, ChatCompletionRequest | CompletionRequest)
+            else ""
+        )
+        counter = self.token_counters.get(deployment.name)
+        extra = 4 * len(body.messages) if isinstance(body, ChatCompletionRequest) else 0
+        if counter is not None:
+            return counter(text) + extra
+        return max(1, len(text.encode()) // 4) + extra
+
+    # -- one request --------------------------------------------------------------------------
+
+    async def record_refusal(
+        self, scope: Scope, headers: dict[str, str], status: int, message: str
+    ) -> None:
+        """One usage record for a generation request refused before `handle` saw it (a body
+        too large or invalid), with its tenant when its key is good."""
+        path = str(scope.get("path", ""))
+        if not path.startswith("/v1/") or path == "/v1/usage":
+            return
+        flight = Flight(
+            self,
+            scope.get("state", {}).get("request_id", f"req-{uuid.uuid4().hex}"),
+            path.removeprefix("/v1/"),
+            False,
+            self.clock(),
+            self.wall_clock(),
+        )
+        with contextlib.suppress(APIError):
+            flight.caller = await self.authenticate_header(headers.get("authorization", ""))
+        await flight.finish("refused", status, error=message)
+
+    async def handle(self, raw: Request, body: GenerationRequest, endpoint: str) -> Response:
+        flight = Flight(
+            self,
+            raw.state.request_id,
+            endpoint,
+            body.stream,
+            self.clock(),
+            self.wall_clock(),
+        )
+        try:
+            return await self._handle(raw, body, endpoint, flight)
+        except APIError as exc:
+            await flight.finish("refused", exc.status, error=exc.message)
+            raise
+        except asyncio.CancelledError:
+            await flight.finish("cancelled", 499, error="client disconnected")
+            raise
+        except Exception as exc:
+            await flight.finish("failed", 500, error=repr(exc))
+            raise
+
+    async def _handle(
+        self, raw: Request, body: GenerationRequest, endpoint: str, flight: Flight
+    ) -> Response:
+        caller = await self.authenticate(raw)
+        flight.caller = caller
+        deployment = self.config.model(body.model)
+        if deployment is None:
+            raise APIError(
+                404,
+                f"The model `{body.model}` does not exist or you do not have access to it.",
+                code="model_not_found",
+            )
+        flight.deployment = deployment
+        prompt_tokens = self.count_prompt_tokens(deployment, body)
+        headers = await self.check_limits(flight, caller, prompt_tokens)
+        output = getattr(body, "output_limit", None)
+        now = self.clock()
+        ticket = Ticket(
+            caller.tenant,
+            caller.priority,
+            cost=float(prompt_tokens + (output if output is not None else 256)),
+            arrival_s=now,
+            deadline_s=now + self.config.gateway.queue_timeout_s,
+        )
+        await self.admit(flight, deployment, ticket)
+        replica = self.pick_replica(deployment)
+        flight.replica = replica
+        payload = body.forwarded()
+        payload["model"] = replica.served_model
+        salt = caller.tenant if body.cache_salt is None else f"{caller.tenant}/{body.cache_salt}"
+        payload["cache_salt"] = salt
+        if replica.builtin:
+            payload["priority"] = CLASSES.index(ticket.priority)
+        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            payload["stream_options"] = {
+                **(payload.get("stream_options") or {}),
+                "include_usage": True,
+            }
+        upstream_headers = {"x-request-id": flight.request_id}
+        if replica.api_key:
+            upstream_headers["authorization"] = f"Bearer {replica.api_key}"
+        request = self.client.build_request(
+            "POST", f"{replica.url}/v1/{endpoint}", json=payload, headers=upstream_headers
+        )
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
+            return error_response(
+                502, f"replica {replica.name} is unreachable", code="replica_failed"
+            )
+        if upstream.status_code != 200 or not body.stream:
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as exc:
+                await upstream.aclose()
+                await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
+                return error_response(502, f"replica {replica.name} failed", code="replica_failed")
+            await upstream.aclose()
+            try:
+                data = json.loads(content)
+            except ValueError:
+                data = None
+            ok = upstream.status_code == 200 and isinstance(data, dict)
+            usage = data.get("usage") if ok and isinstance(data, dict) else None
+            if ok:
+                flight.first_token_s = self.clock()
+            error = None if ok else content[:500].decode(errors="replace")
+            await flight.finish("completed" if ok else "failed", upstream.status_code, usage, error)
+            return Response(
+                content,
+                status_code=upstream.status_code,
+                media_type="application/json",
+                headers=headers,
+            )
+        return StreamingResponse(
+            self._relay(flight, upstream, want_usage),
+            media_type="text/event-stream",
+            headers=headers,
+        )
+
+    async def _relay(
+        self, flight: Flight, upstream: httpx.Response, want_usage: bool
+    ) -> AsyncIterator[bytes]:
+        """Pass the replica's SSE events through; capture usage; strip it if not asked for."""
+        usage: dict[str, Any] | None = None
+        event: list[str] = []
+        try:
+            async for line in upstream.aiter_lines():
+                if line:
+                    event.append(line)
+                    continue
+                if not event:
+                    continue
+                text = "\n".join(event)
+                event = []
+                if text.startswith("data: ") and '"usage"' in text:
+                    try:
+                        chunk = json.loads(text[6:])
+                    except ValueError:
+                        chunk = None
+                    if isinstance(chunk, dict) and chunk.get("usage"):
+                        usage = chunk["usage"]
+                        if not chunk.get("choices") and not want_usage:
+                            continue
+                        if not want_usage:
+                            chunk.pop("usage")
+                            text = "data: " + json.dumps(chunk, ensure_ascii=False)
+                if flight.first_token_s is None and text.startswith("data: {"):
+                    flight.first_token_s = self.clock()
+                yield (text + "\n\n").encode()
+        except httpx.HTTPError as exc:
+            await upstream.aclose()
+            name = flight.replica.name if flight.replica else "?"
+            body = error_body(502, f"replica {name} failed mid-stream", None, "replica_failed")
+            await flight.finish("failed", 200, usage, error=f"mid-stream: {exc!r}")
+            yield f"data: {json.dumps(body)}\n\n".encode()
+            return
+        except BaseException:
+            await upstream.aclose()
+            await flight.finish("cancelled", 200, usage, error="client disconnected mid-stream")
+            raise
+        await upstream.aclose()
+        await flight.finish("completed", 200, usage)
+
+
+class RequestIdMiddleware:
+    """Give every request an id (`request.state.request_id`) and every response `x-request-id`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (b"x-request-id", request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_gateway_app(gateway: Gateway) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await gateway.close()
+
+    app = FastAPI(title="infercloud gateway", version="0.1", lifespan=lifespan)
+
+    async def too_large(scope: Scope, status: int, message: str) -> None:
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        await gateway.record_refusal(scope, headers, status, message)
+
+    async def invalid(request: Request, message: str) -> None:
+        await gateway.record_refusal(request.scope, dict(request.headers), 400, message)
+
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=gateway.config.gateway.max_body_bytes,
+        on_refuse=too_large,
+    )
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app, on_invalid=invalid)
+
+    @app.exception_handler(Refusal)
+    async def _refusal(_: Request, exc: Refusal) -> JSONResponse:
+        response = error_response(exc.status, exc.message, code=exc.code)
+        response.headers.update(exc.headers)
+        return response
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> dict[str, Any]:
+        await gateway.authenticate(raw)
+        return {
+            "object": "list",
+            "data": [
+                {"id": m.name, "object": "model", "created": 0, "owned_by": "infercloud"}
+                for m in gateway.config.models
+            ],
+        }
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await gateway.handle(raw, body, "chat/completions")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await gateway.handle(raw, body, "completions")
+
+    @app.get("/v1/usage")
+    async def own_usage(raw: Request, limit: int = 1000) -> dict[str, Any]:
+        """The caller's tenant's usage records (never another tenant's)."""
+        caller = await gateway.authenticate(raw)
+        await asyncio.to_thread(gateway.writer.flush)
+        records = await asyncio.to_thread(gateway.store.usage, caller.tenant, None, None, limit)
+        return {"object": "list", "data": [usage_json(r) for r in records]}
+
+    # -- admin ---------------------------------------------------------------------------------
+
+    @app.post("/admin/keys")
+    async def create_key(body: KeyCreate, raw: Request) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        return await asyncio.to_thread(create_key_record, gateway.store, body, time.time())
+
+    @app.get("/admin/keys")
+    async def list_keys(raw: Request, tenant: str | None = None) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        records = await asyncio.to_thread(gateway.store.list_keys, tenant)
+        return {"object": "list", "data": [r.public() for r in records]}
+
+    @app.delete("/admin/keys/{key_id}")
+    async def revoke_key(key_id: str, raw: Request) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        if not await asyncio.to_thread(gateway.store.revoke_key, key_id, time.time()):
+            raise APIError(404, f"no active key {key_id!r}", code="key_not_found")
+        return {"key_id": key_id, "revoked": True}
+
+    @app.get("/admin/usage")
+    async def admin_usage(
+        raw: Request, tenant: str | None = None, limit: int = 10000
+    ) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        await asyncio.to_thread(gateway.writer.flush)
+        records = await asyncio.to_thread(gateway.store.usage, tenant, None, None, limit)
+        return {"object": "list", "data": [usage_json(r) for r in records]}
+
+    return app
+
+
+def usage_json(record: UsageRecord) -> dict[str, Any]:
+    return asdict(record)
+
+
+def create_key_record(store: Store, body: KeyCreate, now_s: float) -> dict[str, Any]:
+    """Make a key, store its hash, and return the key (shown this once) with its id."""
+    key, key_id, secret_sha = keyring.new_key()
+    store.add_key(
+        KeyRecord(
+            key_id=key_id,
+            tenant=body.tenant,
+            secret_sha256=secret_sha,
+            rpm=body.rpm,
+            tpm=body.tpm,
+            max_concurrent=body.max_concurrent,
+            priority=body.priority,
+            budget_usd=body.budget_usd,
+            created_at_s=now_s,
+            revoked_at_s=None,
+        )
+    )
+    return {"key": key, "key_id": key_id, "tenant": body.tenant}

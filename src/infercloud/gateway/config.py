@@ -1,0 +1,134 @@
+"""The deployment config (YAML): which models are served by which replicas, at what price, and
+the gateway's own settings (queueing, tenants' limits and weights).
+
+    models:
+      - name: smollm2-135m-instruct
+        price: {input_per_mtok: 0.05, cached_input_per_mtok: 0.025, output_per_mtok: 0.10}
+        replicas:
+          - builtin: {model: smollm2-135m-instruct, dtype: bfloat16, kv_cache_bytes: 1GiB}
+          - upstream: {url: "http://127.0.0.1:9000", model: served-name}
+        max_inflight_per_replica: 32
+    tenants:
+      acme: {weight: 2, rpm: 600, tpm: 200000, max_concurrent: 64, budget_usd: 100}
+    gateway: {max_queued: 512, queue_timeout_s: 30, budget_period: month}
+
+A builtin replica is our own engine, started by the gateway as a subprocess; an upstream is any
+OpenAI-compatible server (vLLM, SGLang, trtllm-serve, llama.cpp) reached by URL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from infercloud.models.registry import DEFAULT_MODEL_NAME
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Price(_Strict):
+    """USD per million tokens."""
+
+    input_per_mtok: float = Field(default=0.0, ge=0)
+    cached_input_per_mtok: float = Field(default=0.0, ge=0)
+    output_per_mtok: float = Field(default=0.0, ge=0)
+
+    def cost_usd(self, prompt: int, cached: int, completion: int) -> float:
+        return (
+            (prompt - cached) * self.input_per_mtok
+            + cached * self.cached_input_per_mtok
+            + completion * self.output_per_mtok
+        ) / 1e6
+
+
+class BuiltinReplica(_Strict):
+    model: str = DEFAULT_MODEL_NAME
+    dtype: str = "bfloat16"
+    kv_cache_bytes: str | int = "1GiB"
+    args: list[str] = Field(default_factory=list)
+    """Extra `infercloud engine` flags."""
+
+
+class UpstreamReplica(_Strict):
+    url: str
+    model: str | None = None
+    """The model name the upstream serves (defaults to the deployment's name)."""
+    api_key: str | None = None
+
+
+class ReplicaSpec(_Strict):
+    builtin: BuiltinReplica | None = None
+    upstream: UpstreamReplica | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ReplicaSpec:
+        if (self.builtin is None) == (self.upstream is None):
+            raise ValueError("a replica is either builtin or upstream")
+        return self
+
+
+class ModelDeployment(_Strict):
+    name: str
+    replicas: list[ReplicaSpec] = Field(min_length=1)
+    price: Price = Field(default_factory=Price)
+    max_inflight_per_replica: int = Field(default=32, ge=1)
+    tokenizer: str | None = None
+    """A Hugging Face folder whose tokenizer counts prompt tokens for limits (builtin replicas
+    use their model's); without one, prompts are estimated at 4 bytes per token until the
+    replica reports the real count."""
+
+
+class TenantLimits(_Strict):
+    weight: float = Field(default=1.0, gt=0)
+    rpm: int | None = Field(default=None, ge=1)
+    tpm: int | None = Field(default=None, ge=1)
+    max_concurrent: int | None = Field(default=None, ge=1)
+    budget_usd: float | None = Field(default=None, ge=0)
+
+
+class GatewaySettings(_Strict):
+    max_queued: int = Field(default=512, ge=0)
+    queue_timeout_s: float = Field(default=30.0, gt=0)
+    budget_period: Literal["day", "month"] = "month"
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+
+
+class DeploymentConfig(_Strict):
+    models: list[ModelDeployment] = Field(min_length=1)
+    tenants: dict[str, TenantLimits] = Field(default_factory=dict)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> DeploymentConfig:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return self
+
+    def model(self, name: str) -> ModelDeployment | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    @classmethod
+    def load(cls, path: Path) -> DeploymentConfig:
+        data: Any = yaml.safe_load(path.read_text())
+        return cls.model_validate(data or {})
+
+    @classmethod
+    def default(cls) -> DeploymentConfig:
+        """The embedded model on one builtin replica."""
+        return cls(
+            models=[
+                ModelDeployment(
+                    name=DEFAULT_MODEL_NAME,
+                    replicas=[ReplicaSpec(builtin=BuiltinReplica())],
+                    price=Price(
+                        input_per_mtok=0.05, cached_input_per_mtok=0.025, output_per_mtok=0.10
+                    ),
+                )
+            ]
+        )

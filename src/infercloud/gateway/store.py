@@ -1,0 +1,285 @@
+"""The gateway's durable state: tenants, API keys (hashed) and usage records, in one schema.
+
+SQLite by default (a file in the data directory), PostgreSQL given a `postgresql://` URL; the same
+SQLAlchemy Core tables on both. The schema is versioned: `MIGRATIONS[i]` takes it from version
+`i` to `i + 1`, and `migrate()` applies the missing ones in one transaction each, recording the
+version in `infercloud_schema_version`, so starting a newer gateway on an older database brings
+it up to date and starting it twice changes nothing.
+
+Invariants:
+- a key's secret is never stored: only its SHA-256, compared in constant time (`keys.verify`);
+- `usage_records.request_id` is the primary key and writes use insert-if-absent, so recording a
+  request twice keeps the first record and counts it once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection, Engine
+
+metadata = sa.MetaData()
+
+schema_version = sa.Table(
+    "infercloud_schema_version",
+    metadata,
+    sa.Column("version", sa.Integer, nullable=False),
+)
+
+tenants = sa.Table(
+    "tenants",
+    metadata,
+    sa.Column("name", sa.String(128), primary_key=True),
+    sa.Column("created_at_s", sa.Float, nullable=False),
+)
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("key_id", sa.String(32), primary_key=True),
+    sa.Column("tenant", sa.String(128), sa.ForeignKey("tenants.name"), nullable=False),
+    sa.Column("secret_sha256", sa.String(64), nullable=False),
+    sa.Column("rpm", sa.Integer, nullable=True),
+    sa.Column("tpm", sa.Integer, nullable=True),
+    sa.Column("max_concurrent", sa.Integer, nullable=True),
+    sa.Column("priority", sa.String(16), nullable=False),
+    sa.Column("budget_usd", sa.Float, nullable=True),
+    sa.Column("created_at_s", sa.Float, nullable=False),
+    sa.Column("revoked_at_s", sa.Float, nullable=True),
+)
+
+usage_records = sa.Table(
+    "usage_records",
+    metadata,
+    sa.Column("request_id", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("key_id", sa.String(32), nullable=True),
+    sa.Column("model", sa.String(256), nullable=True),
+    sa.Column("replica", sa.String(256), nullable=True),
+    sa.Column("endpoint", sa.String(64), nullable=False),
+    sa.Column("priority", sa.String(16), nullable=True),
+    sa.Column("status", sa.Integer, nullable=False),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("error", sa.Text, nullable=True),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("cached_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("cost_usd", sa.Float, nullable=False),
+    sa.Column("queue_ms", sa.Float, nullable=True),
+    sa.Column("ttft_ms", sa.Float, nullable=True),
+    sa.Column("e2e_ms", sa.Float, nullable=False),
+    sa.Column("stream", sa.Boolean, nullable=False),
+    sa.Column("created_at_s", sa.Float, nullable=False, index=True),
+)
+
+
+def _v1(conn: Connection) -> None:
+    for table in (tenants, api_keys, usage_records):
+        table.create(conn, checkfirst=True)
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (_v1,)
+"""`MIGRATIONS[i]` upgrades the schema from version i to i + 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRecord:
+    key_id: str
+    tenant: str
+    secret_sha256: str
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+    priority: str
+    budget_usd: float | None
+    created_at_s: float
+    revoked_at_s: float | None
+
+    def public(self) -> dict[str, Any]:
+        """What `keys list` shows: everything but the hash."""
+        out = asdict(self)
+        del out["secret_sha256"]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    request_id: str
+    tenant: str
+    key_id: str | None
+    model: str | None
+    replica: str | None
+    endpoint: str
+    priority: str | None
+    status: int
+    """The HTTP status the client got (200 also for a stream that ended in an error event)."""
+    outcome: str
+    """completed | failed | cancelled (client went away) | refused (never reached a replica)."""
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    cost_usd: float
+    queue_ms: float | None
+    ttft_ms: float | None
+    e2e_ms: float
+    stream: bool
+    created_at_s: float
+
+
+def database_url_for(data_dir: Path) -> str:
+    return f"sqlite:///{data_dir / 'infercloud.db'}"
+
+
+class Store:
+    """Synchronous access to the schema; the gateway calls it from worker threads."""
+
+    def __init__(self, url: str) -> None:
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+        kwargs: dict[str, Any] = {}
+        if url.startswith("sqlite"):
+            path = url.removeprefix("sqlite:///")
+            if path and path != ":memory:":
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.url = url
+        self.engine: Engine = sa.create_engine(url, **kwargs)
+        if url.startswith("sqlite"):
+            sa.event.listen(self.engine, "connect", _sqlite_pragmas)
+
+    # -- schema --------------------------------------------------------------------------------
+
+    def migrate(self) -> int:
+        """Bring the schema to the latest version; returns it."""
+        with self.engine.begin() as conn:
+            schema_version.create(conn, checkfirst=True)
+        while True:
+            with self.engine.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    # one migrator at a time across processes
+                    conn.execute(sa.text("SELECT pg_advisory_xact_lock(7342001)"))
+                current = self._version(conn)
+                if current >= len(MIGRATIONS):
+                    return current
+                MIGRATIONS[current](conn)
+                conn.execute(schema_version.delete())
+                conn.execute(schema_version.insert().values(version=current + 1))
+
+    @staticmethod
+    def _version(conn: Connection) -> int:
+        row = conn.execute(sa.select(schema_version.c.version)).first()
+        return int(row[0]) if row else 0
+
+    def version(self) -> int:
+        with self.engine.connect() as conn:
+            return self._version(conn)
+
+    # -- keys ----------------------------------------------------------------------------------
+
+    def add_key(self, record: KeyRecord) -> None:
+        with self.engine.begin() as conn:
+            exists = conn.execute(
+                sa.select(tenants.c.name).where(tenants.c.name == record.tenant)
+            ).first()
+            if exists is None:
+                conn.execute(tenants.insert().values(name=record.tenant, created_at_s=time.time()))
+            conn.execute(api_keys.insert().values(**asdict(record)))
+
+    def get_key(self, key_id: str) -> KeyRecord | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).first()
+        return KeyRecord(**row._mapping) if row else None
+
+    def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
+        query = sa.select(api_keys).order_by(api_keys.c.created_at_s)
+        if tenant is not None:
+            query = query.where(api_keys.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return [KeyRecord(**r._mapping) for r in conn.execute(query)]
+
+    def revoke_key(self, key_id: str, now_s: float) -> bool:
+        """Revoke a key; False if there is no such key or it was already revoked."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                api_keys.update()
+                .where(api_keys.c.key_id == key_id, api_keys.c.revoked_at_s.is_(None))
+                .values(revoked_at_s=now_s)
+            )
+        return bool(result.rowcount)
+
+    # -- usage ---------------------------------------------------------------------------------
+
+    def add_usage(self, records: Iterable[UsageRecord]) -> None:
+        """Insert records; one whose request id is already stored is skipped (idempotent)."""
+        rows = list({r.request_id: asdict(r) for r in records}.values())
+        if not rows:
+            return
+        if self.engine.dialect.name == "postgresql":
+            statement: Any = pg_insert(usage_records)
+        else:
+            statement = sqlite_insert(usage_records)
+        statement = statement.on_conflict_do_nothing(index_elements=["request_id"])
+        with self.engine.begin() as conn:
+            conn.execute(statement, rows)
+
+    def usage(
+        self,
+        tenant: str | None = None,
+        since_s: float | None = None,
+        until_s: float | None = None,
+        limit: int | None = None,
+    ) -> list[UsageRecord]:
+        query = sa.select(usage_records).order_by(
+            usage_records.c.created_at_s, usage_records.c.request_id
+        )
+        if tenant is not None:
+            query = query.where(usage_records.c.tenant == tenant)
+        if since_s is not None:
+            query = query.where(usage_records.c.created_at_s >= since_s)
+        if until_s is not None:
+            query = query.where(usage_records.c.created_at_s < until_s)
+        if limit is not None:
+            query = query.limit(limit)
+        with self.engine.connect() as conn:
+            return [UsageRecord(**r._mapping) for r in conn.execute(query)]
+
+    def spend_usd(
+        self, since_s: float, tenant: str | None = None, key_id: str | None = None
+    ) -> float:
+        """Money spent since `since_s` by a tenant, or by one key."""
+        query = sa.select(sa.func.coalesce(sa.func.sum(usage_records.c.cost_usd), 0.0)).where(
+            usage_records.c.created_at_s >= since_s
+        )
+        if tenant is not None:
+            query = query.where(usage_records.c.tenant == tenant)
+        if key_id is not None:
+            query = query.where(usage_records.c.key_id == key_id)
+        with self.engine.connect() as conn:
+            return float(conn.execute(query).scalar_one())
+
+    def drop_all(self) -> None:
+        """Remove every table of the schema (tests)."""
+        with self.engine.begin() as conn:
+            for table in (usage_records, api_keys, tenants, schema_version):
+                table.drop(conn, checkfirst=True)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cursor = dbapi_conn.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()

@@ -1,0 +1,213 @@
+"""`infercloud serve` in front of a second process of our own engine (as an upstream URL), driven
+with the official `openai` client: keys, errors, limits, usage records, isolation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import EngineServer
+
+ADMIN = "ic-admin-test-key"
+
+
+def cli(data_dir: Path, *args: str) -> Any:
+    out = subprocess.run(
+        [sys.executable, "-m", "infercloud", *args, "--data-dir", str(data_dir)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("gateway-data")
+
+
+@pytest.fixture(scope="module")
+def gateway(tiny_server: EngineServer, data_dir: Path) -> Iterator[EngineServer]:
+    config = data_dir / "deploy.yaml"
+    config.write_text(
+        "models:\n"
+        "  - name: tiny\n"
+        "    price: {input_per_mtok: 1.0, cached_input_per_mtok: 0.5, output_per_mtok: 2.0}\n"
+        "    replicas:\n"
+        f"      - upstream: {{url: '{tiny_server.base_url}/v1', model: tiny}}\n"
+        "gateway: {max_body_bytes: 65536}\n"
+    )
+    args = ["--config", str(config), "--data-dir", str(data_dir), "--admin-key", ADMIN]
+    server = EngineServer(args, command="serve")
+    yield server
+    server.stop()
+
+
+def new_key(data_dir: Path, tenant: str, *extra: str) -> str:
+    out = cli(data_dir, "keys", "create", "--tenant", tenant, "--json", *extra)
+    assert set(out) == {"key", "key_id", "tenant"} and out["tenant"] == tenant
+    return str(out["key"])
+
+
+def client_for(gateway: EngineServer, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
+
+
+def test_sync_async_and_streaming_through_the_gateway(
+    gateway: EngineServer, data_dir: Path
+) -> None:
+    key = new_key(data_dir, "acme")
+    with client_for(gateway, key) as client:
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        out = client.completions.create(model="tiny", prompt="hello there", max_tokens=5)
+        assert out.usage is not None and out.usage.completion_tokens == 5
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert raw.headers["x-request-id"].startswith("req-")
+        assert raw.parse().choices[0].message.role == "assistant"
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "stream"}],
+                max_tokens=6,
+                stream=True,
+            )
+        )
+        assert all(c.usage is None for c in chunks)  # not asked for: stripped
+        with_usage = list(
+            client.completions.create(
+                model="tiny",
+                prompt="stream with usage",
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert with_usage[-1].usage is not None and with_usage[-1].usage.completion_tokens == 6
+
+    async def go() -> int:
+        async with openai.AsyncOpenAI(
+            base_url=gateway.base_url + "/v1", api_key=key, max_retries=0
+        ) as aclient:
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(model="tiny", prompt=f"n{i}", max_tokens=3)
+                    for i in range(6)
+                )
+            )
+        return sum(o.usage.completion_tokens for o in outs if o.usage)
+
+    assert asyncio.run(go()) == 18
+    records = cli(data_dir, "usage", "--tenant", "acme", "--json")
+    assert len(records) == 10  # models.list is not a generation request
+    assert {r["status"] for r in records} == {200}
+    assert {r["outcome"] for r in records} == {"completed"}
+    assert len({r["request_id"] for r in records}) == 10
+    streamed = [r for r in records if r["stream"]]
+    assert [r["completion_tokens"] for r in streamed] == [6, 6]
+    assert all(r["ttft_ms"] is not None and r["ttft_ms"] <= r["e2e_ms"] for r in records)
+    assert all(r["cost_usd"] > 0 and r["replica"] == "tiny/0" for r in records)
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"])
+    assert "x-request-id" in response.headers
+    return dict(body["error"])
+
+
+def test_bad_requests_get_openai_errors(gateway: EngineServer, data_dir: Path) -> None:
+    key = new_key(data_dir, "errors")
+    url = gateway.base_url + "/v1/completions"
+    auth = {"authorization": f"Bearer {key}"}
+    good = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    r = httpx.post(url, json=good)
+    assert r.status_code == 401 and error_of(r)["code"] == "invalid_api_key"
+    r = httpx.post(url, json=good, headers={"authorization": "Bearer ic-nope-wrong"})
+    assert r.status_code == 401
+    r = httpx.post(url, json={**good, "model": "gpt-9"}, headers=auth)
+    assert r.status_code == 404 and error_of(r)["code"] == "model_not_found"
+    r = httpx.post(url, content=b"{not json", headers={**auth, "content-type": "application/json"})
+    assert r.status_code == 400 and error_of(r)["code"] == "invalid_json"
+    r = httpx.post(url, json={**good, "max_tokens": "lots"}, headers=auth)
+    assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
+    r = httpx.post(url, json={**good, "prompt": "x" * 70000}, headers=auth)
+    assert r.status_code == 413
+    r = httpx.post(url, json={**good, "temperature": -3}, headers=auth)
+    assert r.status_code == 400  # the replica's own validation, relayed
+    with client_for(gateway, key) as client, pytest.raises(openai.AuthenticationError):
+        client.completions.create(
+            model="tiny", prompt="x", max_tokens=1, extra_headers={"authorization": "Bearer bad"}
+        )
+    records = cli(data_dir, "usage", "--tenant", "errors", "--json")
+    # one record each, with the tenant, also for bodies refused before the gateway read them
+    assert sorted(r["status"] for r in records) == [400, 400, 400, 404, 413]
+    assert [r["outcome"] for r in records].count("refused") == 4  # the replica's 400 is failed
+    anonymous = [r for r in cli(data_dir, "usage", "--json") if r["tenant"] == ""]
+    assert len(anonymous) >= 3 and {r["status"] for r in anonymous} == {401}
+
+
+def test_revoked_key_fails_on_its_next_request(gateway: EngineServer, data_dir: Path) -> None:
+    created = httpx.post(
+        gateway.base_url + "/admin/keys",
+        json={"tenant": "temp", "priority": "batch"},
+        headers={"authorization": f"Bearer {ADMIN}"},
+    ).json()
+    with client_for(gateway, created["key"]) as client:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1)
+        cli(data_dir, "keys", "revoke", created["key_id"])
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    listed = httpx.get(
+        gateway.base_url + "/admin/keys", headers={"authorization": f"Bearer {ADMIN}"}
+    ).json()["data"]
+    mine = [k for k in listed if k["key_id"] == created["key_id"]]
+    assert mine[0]["revoked_at_s"] is not None and "secret_sha256" not in mine[0]
+    r = httpx.get(gateway.base_url + "/admin/keys", headers={"authorization": "Bearer x"})
+    assert r.status_code == 401
+
+
+def test_a_tenant_reads_only_its_own_usage(gateway: EngineServer, data_dir: Path) -> None:
+    key_a, key_b = new_key(data_dir, "tenant-a"), new_key(data_dir, "tenant-b")
+    with client_for(gateway, key_a) as a:
+        a.completions.create(model="tiny", prompt="secret of a", max_tokens=2)
+    for key, tenant in ((key_a, "tenant-a"), (key_b, "tenant-b")):
+        data = httpx.get(
+            gateway.base_url + "/v1/usage", headers={"authorization": f"Bearer {key}"}
+        ).json()["data"]
+        assert {r["tenant"] for r in data} <= {tenant}
+    data_b = httpx.get(
+        gateway.base_url + "/v1/usage", headers={"authorization": f"Bearer {key_b}"}
+    ).json()["data"]
+    assert data_b == []
+
+
+def test_requests_per_minute_limit(gateway: EngineServer, data_dir: Path) -> None:
+    key = new_key(data_dir, "limited", "--rpm", "5")
+    url = gateway.base_url + "/v1/completions"
+    statuses, last = [], None
+    for _ in range(8):
+        last = httpx.post(
+            url,
+            json={"model": "tiny", "prompt": "x", "max_tokens": 1},
+            headers={"authorization": f"Bearer {key}"},
+        )
+        statuses.append(last.status_code)
+    assert statuses == [200] * 5 + [429] * 3
+    assert last is not None
+    assert error_of(last)["code"] == "rate_limit_exceeded"
+    assert int(last.headers["retry-after"]) >= 1
+    assert last.headers["x-ratelimit-limit-requests"] == "5"
+    assert last.headers["x-ratelimit-remaining-requests"] == "0"
+    records = cli(data_dir, "usage", "--tenant", "limited", "--json")
+    assert sorted(r["status"] for r in records) == [200] * 5 + [429] * 3
