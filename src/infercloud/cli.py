@@ -71,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--host-cache-path", default=None, help="keep the second tier in this file (disk)"
     )
     engine.add_argument("--device", default="cpu")
+    engine.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: one per core)"
+    )
     engine.add_argument("--seed", type=int, default=0)
     engine.add_argument("--log-level", default="info")
 
@@ -152,6 +155,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         max_model_len=args.max_model_len,
         device=args.device,
+        num_threads=args.threads,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=args.eviction_policy,

@@ -12,18 +12,20 @@ def ticket(tenant: str, priority: str = "standard", cost: float = 10.0, t: float
     return Ticket(tenant, priority, cost, arrival_s=t, deadline_s=t + 30.0)
 
 
-def test_flood_cannot_take_the_reserved_slots() -> None:
+def test_flood_fills_regular_slots_and_a_newcomer_gets_a_reserved_one() -> None:
     q = AdmissionQueue(max_inflight=8, max_queued=100, reserved_slots=2)
     flood = [ticket("a") for _ in range(20)]
     started = [q.offer(t, 0.0).started for t in flood]
-    # alone, tenant a may use every slot (its fair share is all of them)
-    assert started.count(True) == 8
-    q2 = AdmissionQueue(max_inflight=8, max_queued=100, reserved_slots=2)
-    assert q2.offer(ticket("b"), 0.0).started  # b is active first
-    starts = [q2.offer(t, 0.0).started for t in flood]
-    assert starts.count(True) == 5  # the 6 open slots less b's; a is over its share (8 / 2)
-    assert q2.offer(ticket("c"), 0.0).started  # a newcomer finds a reserved slot at once
-    q2.check_invariants()
+    assert started.count(True) == 8  # alone, a may use every regular slot, not the reserved
+    newcomer = ticket("b")
+    assert q.offer(newcomer, 0.0).started  # b starts at once, in a reserved slot
+    assert q.inflight == 9
+    running = [t for t, s in zip(flood, started, strict=True) if s]
+    # a's freed slot is not refilled while that would keep 9 in flight
+    assert q.release(running[0]) == []
+    assert q.release(running[1]) == [flood[8]]  # back down to 8 in all: a refills
+    assert q.offer(ticket("c"), 0.0).started  # a second newcomer, second reserved slot
+    q.check_invariants()
 
 
 def test_light_tenant_goes_before_a_flood_backlog() -> None:

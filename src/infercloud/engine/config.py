@@ -19,6 +19,8 @@ class EngineConfig:
     max_model_len: int | None = None
     """Context limit (prompt + output); defaults to the model's max_position_embeddings."""
     device: str = "cpu"
+    num_threads: int | None = None
+    """Threads for torch's CPU kernels (default: torch's, one per core)."""
     seed: int = 0
     served_model_name: str | None = None
     enable_prefix_caching: bool = True

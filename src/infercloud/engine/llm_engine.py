@@ -89,6 +89,8 @@ class LLMEngine:
 
         self.config = config
         self.clock = clock
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.model_name, self.model_path = resolve_model(config.model)
         if config.served_model_name:
             self.model_name = config.served_model_name

@@ -1,13 +1,16 @@
 """Admission: how many requests run at once, who goes next, and who is shed when it is full.
 
-Per model there are `max_inflight` slots (the replicas' capacity). A request starts at once if
-a slot is free *for its tenant*: the last `reserved_slots` slots go only to tenants below their
-fair share (`max_inflight / active tenants`), so a tenant flooding the model cannot take every
-slot and a newcomer's request never waits behind the flood. Otherwise it waits in its priority
-class (interactive > standard > batch). Within a class, tenants share by self-clocked weighted
-fair queueing: a request's finish tag is `max(class clock, tenant's last tag) + cost / weight`,
-the waiting request with the lowest tag among tenants that may start goes next, and the class
-clock advances to the tag served. A tenant that sent nothing for a while starts level with the
+Per model there are `max_inflight` slots (the replicas' capacity), first come first served, and
+`reserved_slots` more above them that only a tenant below its fair share (`max_inflight /
+active tenants`) may take. So a tenant flooding the model can fill every regular slot, as it
+should when it is alone, yet a newcomer's request starts at once in a reserved slot instead of
+waiting behind the flood; while the newcomer is in flight, the flood gets the regular slots it
+frees back only down to `max_inflight` in all. A request that cannot start waits in its
+priority class (interactive > standard > batch); classes are served in order where they can use
+a slot. Within a class, tenants share by self-clocked weighted fair queueing: a request's
+finish tag is `max(class clock, tenant's last tag) + cost / weight`, the waiting request with
+the lowest tag among tenants that may start goes next, and the class clock advances to the tag
+served. A tenant that sent nothing for a while starts level with the
 clock, not behind it, so a trickle always goes ahead of a flood's backlog.
 
 The queue is bounded (`max_queued`); when it is full, the newest request of the lowest class
@@ -17,7 +20,7 @@ past its deadline expires. Shed and expired requests get 503 with Retry-After fr
 Pure: no clock reads (`now_s` comes in), no I/O; a `Ticket` is the caller's handle.
 
 Invariants:
-- `inflight <= max_inflight`, and `inflight == sum(inflight per tenant)`;
+- `inflight <= max_inflight + reserved_slots`, and `inflight == sum(inflight per tenant)`;
 - a ticket is in at most one place: waiting, started, or returned as shed/expired (never two);
 - within one class and one tenant, requests start in arrival order.
 """
@@ -82,8 +85,8 @@ class AdmissionQueue:
         self.reserved_slots = (
             max(1, max_inflight // 4) if reserved_slots is None else reserved_slots
         )
-        if not 0 <= self.reserved_slots < max_inflight:
-            raise ValueError("reserved_slots must be in [0, max_inflight)")
+        if self.reserved_slots < 0:
+            raise ValueError("reserved_slots must be >= 0")
         self.weight = weight
         self.inflight = 0
         self.inflight_by_tenant: dict[str, int] = {}
@@ -103,12 +106,12 @@ class AdmissionQueue:
         return active
 
     def may_start(self, tenant: str, extra_active: int = 0) -> bool:
-        """A slot is free for this tenant: one of the open ones, or a reserved one if the
-        tenant is below its fair share."""
-        if self.inflight >= self.max_inflight:
-            return False
-        if self.inflight < self.max_inflight - self.reserved_slots:
+        """A slot is free for this tenant: a regular one, or a reserved one if the tenant is
+        below its fair share."""
+        if self.inflight < self.max_inflight:
             return True
+        if self.inflight >= self.max_inflight + self.reserved_slots:
+            return False
         active = self._active_tenants()
         num_active = len(active) + (extra_active if tenant not in active else 0)
         fair_share = self.max_inflight / max(1, num_active)
@@ -179,7 +182,7 @@ class AdmissionQueue:
         """Start waiting tickets while slots allow (call after `cancel` or `expire` too: fewer
         active tenants can raise the fair share of those left)."""
         started: list[Ticket] = []
-        while self.inflight < self.max_inflight:
+        while self.inflight < self.max_inflight + self.reserved_slots:
             ticket = self._next()
             if ticket is None:
                 break
@@ -211,7 +214,7 @@ class AdmissionQueue:
             del c.by_tenant[ticket.tenant]
 
     def check_invariants(self) -> None:
-        assert 0 <= self.inflight <= self.max_inflight
+        assert 0 <= self.inflight <= self.max_inflight + self.reserved_slots
         assert self.inflight == sum(self.inflight_by_tenant.values())
         assert all(n > 0 for n in self.inflight_by_tenant.values())
         assert self.num_queued <= self.max_queued

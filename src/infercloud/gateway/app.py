@@ -28,10 +28,11 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
@@ -54,6 +55,7 @@ from infercloud.gateway.protocol import (
     KeyCreate,
 )
 from infercloud.gateway.replicas import Replica
+from infercloud.gateway.sse import UsageRelay
 from infercloud.gateway.store import KeyRecord, Store, UsageRecord
 from infercloud.gateway.usage_writer import UsageWriter
 from infercloud.server.errors import (
@@ -227,10 +229,10 @@ class Gateway:
         }
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
         self._round_robin = {m.name: itertools.count() for m in config.models}
-        self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(connect=5.0, read=600.0, write=30.0, pool=30.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-        )
+        self._session: aiohttp.ClientSession | None = None
+        self._auth_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="auth")
+        """Key lookups get threads of their own: behind a flood's lookups in the default pool
+        (a few threads), a light tenant's request would queue before admission even sees it."""
         self.registry = CollectorRegistry()
         self.metric_requests = Counter(
             "infercloud_gateway:requests",
@@ -254,6 +256,16 @@ class Gateway:
             self.metric_queued.labels(name).set_function(_getter(queue, "num_queued"))
             self.metric_inflight.labels(name).set_function(_getter(queue, "inflight"))
 
+    async def session(self) -> aiohttp.ClientSession:
+        """The HTTP client to replicas (made on first use, inside the running loop)."""
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=600.0),
+                auto_decompress=False,
+            )
+        return self._session
+
     @property
     def budget_ttl_s(self) -> float:
         return 32 * 86400.0 if self.config.gateway.budget_period == "month" else 86400.0 + 3600
@@ -263,7 +275,9 @@ class Gateway:
         return limits.weight if limits else 1.0
 
     async def close(self) -> None:
-        await self.client.aclose()
+        if self._session is not None:
+            await self._session.close()
+        self._auth_pool.shutdown(wait=False)
         await asyncio.to_thread(self.writer.close)
         await self.limits.close()
 
@@ -284,7 +298,13 @@ class Gateway:
         if self.is_admin(token):
             return Caller(ADMIN_TENANT, None, "interactive", None)
         parsed = keyring.parse(token)
-        record = await asyncio.to_thread(self.store.get_key, parsed[0]) if parsed else None
+        record = (
+            await asyncio.get_running_loop().run_in_executor(
+                self._auth_pool, self.store.get_key, parsed[0]
+            )
+            if parsed
+            else None
+        )
         if (
             parsed is None
             or record is None
@@ -568,40 +588,43 @@ class Gateway:
                 **(payload.get("stream_options") or {}),
                 "include_usage": True,
             }
-        upstream_headers = {"x-request-id": flight.request_id}
+        upstream_headers = {"x-request-id": flight.request_id, "content-type": "application/json"}
         if replica.api_key:
             upstream_headers["authorization"] = f"Bearer {replica.api_key}"
-        request = self.client.build_request(
-            "POST", f"{replica.url}/v1/{endpoint}", json=payload, headers=upstream_headers
-        )
+        session = await self.session()
         try:
-            upstream = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            upstream = await session.post(
+                f"{replica.url}/v1/{endpoint}",
+                data=json.dumps(payload).encode(),
+                headers=upstream_headers,
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
             await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
             return error_response(
                 502, f"replica {replica.name} is unreachable", code="replica_failed"
             )
-        if upstream.status_code != 200 or not body.stream:
+        if upstream.status != 200 or not body.stream:
             try:
-                content = await upstream.aread()
-            except httpx.HTTPError as exc:
-                await upstream.aclose()
+                content = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                upstream.close()
                 await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
                 return error_response(502, f"replica {replica.name} failed", code="replica_failed")
-            await upstream.aclose()
+            finally:
+                upstream.release()
             try:
                 data = json.loads(content)
             except ValueError:
                 data = None
-            ok = upstream.status_code == 200 and isinstance(data, dict)
+            ok = upstream.status == 200 and isinstance(data, dict)
             usage = data.get("usage") if ok and isinstance(data, dict) else None
             if ok:
                 flight.first_token_s = self.clock()
             error = None if ok else content[:500].decode(errors="replace")
-            await flight.finish("completed" if ok else "failed", upstream.status_code, usage, error)
+            await flight.finish("completed" if ok else "failed", upstream.status, usage, error)
             return Response(
                 content,
-                status_code=upstream.status_code,
+                status_code=upstream.status,
                 media_type="application/json",
                 headers=headers,
             )
@@ -612,48 +635,35 @@ class Gateway:
         )
 
     async def _relay(
-        self, flight: Flight, upstream: httpx.Response, want_usage: bool
+        self, flight: Flight, upstream: aiohttp.ClientResponse, want_usage: bool
     ) -> AsyncIterator[bytes]:
-        """Pass the replica's SSE events through; capture usage; strip it if not asked for."""
-        usage: dict[str, Any] | None = None
-        event: list[str] = []
+        """Pass the replica's events through as they come (`UsageRelay`), then finish."""
+        relay = UsageRelay(want_usage)
         try:
-            async for line in upstream.aiter_lines():
-                if line:
-                    event.append(line)
-                    continue
-                if not event:
-                    continue
-                text = "\n".join(event)
-                event = []
-                if text.startswith("data: ") and '"usage"' in text:
-                    try:
-                        chunk = json.loads(text[6:])
-                    except ValueError:
-                        chunk = None
-                    if isinstance(chunk, dict) and chunk.get("usage"):
-                        usage = chunk["usage"]
-                        if not chunk.get("choices") and not want_usage:
-                            continue
-                        if not want_usage:
-                            chunk.pop("usage")
-                            text = "data: " + json.dumps(chunk, ensure_ascii=False)
-                if flight.first_token_s is None and text.startswith("data: {"):
+            async for block in upstream.content.iter_any():
+                out = relay.feed(block)
+                if flight.first_token_s is None and relay.saw_data:
                     flight.first_token_s = self.clock()
-                yield (text + "\n\n").encode()
-        except httpx.HTTPError as exc:
-            await upstream.aclose()
+                if out:
+                    yield out
+            tail = relay.finish()
+            if tail:
+                yield tail
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            upstream.close()
             name = flight.replica.name if flight.replica else "?"
             body = error_body(502, f"replica {name} failed mid-stream", None, "replica_failed")
-            await flight.finish("failed", 200, usage, error=f"mid-stream: {exc!r}")
+            await flight.finish("failed", 200, relay.usage, error=f"mid-stream: {exc!r}")
             yield f"data: {json.dumps(body)}\n\n".encode()
             return
         except BaseException:
-            await upstream.aclose()
-            await flight.finish("cancelled", 200, usage, error="client disconnected mid-stream")
+            upstream.close()  # the client left: dropping the connection aborts the replica's work
+            await flight.finish(
+                "cancelled", 200, relay.usage, error="client disconnected mid-stream"
+            )
             raise
-        await upstream.aclose()
-        await flight.finish("completed", 200, usage)
+        upstream.release()
+        await flight.finish("completed", 200, relay.usage)
 
 
 class RequestIdMiddleware:

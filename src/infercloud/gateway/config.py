@@ -50,6 +50,8 @@ class BuiltinReplica(_Strict):
     model: str = DEFAULT_MODEL_NAME
     dtype: str = "bfloat16"
     kv_cache_bytes: str | int = "1GiB"
+    threads: int | None = Field(default=None, ge=1)
+    """torch CPU threads of the replica (default: one per core)."""
     args: list[str] = Field(default_factory=list)
     """Extra `infercloud engine` flags."""
 

@@ -60,6 +60,8 @@ def start_builtin(
     cmd += ["--served-model-name", deployment.name, "--port", str(port)]
     cmd += ["--dtype", spec.dtype, "--kv-cache-bytes", str(spec.kv_cache_bytes)]
     cmd += ["--scheduling-policy", "priority", "--log-level", "warning", *spec.args]
+    if spec.threads is not None:
+        cmd += ["--threads", str(spec.threads)]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"replica-{deployment.name.replace('/', '_')}-{index}.log"
     with log_path.open("wb") as log:

@@ -151,7 +151,8 @@ class Store:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         else:
-            kwargs["pool_pre_ping"] = True
+            # one connection per concurrent key lookup (the gateway runs up to 32)
+            kwargs.update(pool_pre_ping=True, pool_size=16, max_overflow=24)
         self.url = url
         self.engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
@@ -201,7 +202,7 @@ class Store:
         return KeyRecord(**row._mapping) if row else None
 
     def list_keys(self, tenant: str | None = None) -> list[KeyRecord]:
-        query = sa.select(api_keys).order_by(api_keys.c.created_at_s)
+        query = sa.select(api_keys).order_by(api_keys.c.created_at_s, api_keys.c.key_id)
         if tenant is not None:
             query = query.where(api_keys.c.tenant == tenant)
         with self.engine.connect() as conn:

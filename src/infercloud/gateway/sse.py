@@ -1,0 +1,66 @@
+"""Relaying a replica's server-sent events: pass bytes through, read the usage on the way.
+
+The gateway asks every replica for the usage chunk (`stream_options.include_usage`), because
+the usage record needs it, and removes it again when the client did not ask for it. Everything
+else passes through as the replica sent it, in blocks as they arrive: `feed` returns the
+complete events of what it has seen so far (an event ends with a blank line), holding back only
+a partial event at the end, and it parses an event only when its bytes mention "usage".
+
+Invariant: the concatenation of everything returned is the input, less the usage chunk (or the
+usage field) when it is stripped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_END = b"\n\n"
+
+
+class UsageRelay:
+    __slots__ = ("_buffer", "saw_data", "usage", "want_usage")
+
+    def __init__(self, want_usage: bool) -> None:
+        self.want_usage = want_usage
+        self.usage: dict[str, Any] | None = None
+        self.saw_data = False
+        """True once an event with a JSON payload passed (the first token is out)."""
+        self._buffer = b""
+
+    def feed(self, block: bytes) -> bytes:
+        data = self._buffer + block if self._buffer else block
+        cut = data.rfind(_END)
+        if cut < 0:
+            self._buffer = data
+            return b""
+        complete, self._buffer = data[: cut + 2], data[cut + 2 :]
+        if not self.saw_data and b"data: {" in complete:
+            self.saw_data = True
+        if b'"usage"' not in complete:
+            return complete
+        return b"".join(self._event(e) for e in complete[:-2].split(_END))
+
+    def finish(self) -> bytes:
+        """What is left at the end of the stream (a last event without its blank line)."""
+        rest, self._buffer = self._buffer, b""
+        if not rest.strip():
+            return rest
+        return b"".join(self._event(e) for e in rest.rstrip(b"\n").split(_END))
+
+    def _event(self, event: bytes) -> bytes:
+        if not (event.startswith(b"data: {") and b'"usage"' in event):
+            return event + _END
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event + _END
+        if not isinstance(chunk, dict) or not chunk.get("usage"):
+            return event + _END
+        self.usage = chunk["usage"]
+        if self.want_usage:
+            return event + _END
+        if not chunk.get("choices"):
+            return b""  # the usage-only chunk the client did not ask for
+        del chunk["usage"]
+        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + _END

@@ -1,0 +1,98 @@
+"""The store on SQLite and on the real PostgreSQL: migrations, keys, idempotent usage records."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from infercloud.gateway import keys as keyring
+from infercloud.gateway.store import MIGRATIONS, KeyRecord, Store, UsageRecord
+from tests.gateway.conftest import postgres_schema
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'db' / 'infercloud.db'}"
+        return
+    with postgres_schema() as url:
+        yield url
+
+
+def usage(
+    request_id: str, tenant: str = "acme", cost: float = 0.5, at: float = 100.0
+) -> UsageRecord:
+    return UsageRecord(
+        request_id=request_id,
+        tenant=tenant,
+        key_id="k1",
+        model="m",
+        replica="m/0",
+        endpoint="completions",
+        priority="standard",
+        status=200,
+        outcome="completed",
+        error=None,
+        prompt_tokens=10,
+        cached_tokens=4,
+        completion_tokens=5,
+        cost_usd=cost,
+        queue_ms=1.0,
+        ttft_ms=2.0,
+        e2e_ms=3.0,
+        stream=False,
+        created_at_s=at,
+    )
+
+
+def test_migrations_are_idempotent_and_versioned(store_url: str) -> None:
+    store = Store(store_url)
+    try:
+        assert store.migrate() == len(MIGRATIONS)
+        assert store.migrate() == len(MIGRATIONS)  # a second start changes nothing
+        assert store.version() == len(MIGRATIONS)
+    finally:
+        store.close()
+
+
+def test_keys_are_stored_hashed_and_revocable(store_url: str) -> None:
+    store = Store(store_url)
+    try:
+        store.migrate()
+        key, key_id, sha = keyring.new_key()
+        record = KeyRecord(key_id, "acme", sha, 50, None, None, "interactive", 10.0, 1.0, None)
+        store.add_key(record)
+        store.add_key(replace(record, key_id="other", secret_sha256="0" * 64))  # same tenant
+        got = store.get_key(key_id)
+        assert got == record
+        parsed = keyring.parse(key)
+        assert parsed is not None and parsed[0] == key_id
+        assert keyring.verify(parsed[1], got.secret_sha256)
+        assert not keyring.verify(parsed[1] + "x", got.secret_sha256)
+        assert key.split("-", 2)[2] not in repr(store.list_keys())  # the secret is nowhere
+        assert store.revoke_key(key_id, 5.0)
+        assert not store.revoke_key(key_id, 6.0)
+        revoked = store.get_key(key_id)
+        assert revoked is not None and revoked.revoked_at_s == 5.0
+        assert sorted(k.key_id for k in store.list_keys("acme")) == sorted([key_id, "other"])
+    finally:
+        store.close()
+
+
+def test_usage_records_are_written_once(store_url: str) -> None:
+    store = Store(store_url)
+    try:
+        store.migrate()
+        store.add_usage([usage("r1"), usage("r2", tenant="beta", at=200.0)])
+        store.add_usage([usage("r1", cost=99.0), usage("r3", at=300.0)])  # r1 again: ignored
+        assert [r.request_id for r in store.usage()] == ["r1", "r2", "r3"]
+        assert store.usage("acme")[0].cost_usd == 0.5
+        assert [r.request_id for r in store.usage("beta")] == ["r2"]
+        assert store.spend_usd(0.0, tenant="acme") == pytest.approx(1.0)
+        assert store.spend_usd(250.0, tenant="acme") == pytest.approx(0.5)
+        assert store.spend_usd(0.0, key_id="k1") == pytest.approx(1.5)
+    finally:
+        store.close()
