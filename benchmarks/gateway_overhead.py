@@ -1,6 +1,6 @@
 """What a gateway adds: a stub upstream measured directly, through infercloud, through LiteLLM.
 
-One run, same machine, same load: `wrk` keeps C connections busy (C = 16 and 64) for D
+One run, same machine, same load: `wrk` keeps C connections busy (C = 1, 16 and 64) for D
 seconds each, POSTing a streamed chat completion (16 chunks + usage) to
   - the stub itself (`benchmarks/stub_upstream.py`), the floor;
   - `infercloud serve` with the stub as its upstream replica, with a real tenant key (so the
@@ -87,7 +87,7 @@ def wrk(url: str, key: str, connections: int, duration_s: int, work: Path) -> di
         [
             "wrk",
             "-t",
-            "2",
+            str(min(2, connections)),
             "-c",
             str(connections),
             "-d",
@@ -124,7 +124,7 @@ def wrk(url: str, key: str, connections: int, duration_s: int, work: Path) -> di
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=int, default=15)
-    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "gateway_overhead.json"
     )

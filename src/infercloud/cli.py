@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--served-model-name", default=None)
     engine.add_argument("--host", default="127.0.0.1")
     engine.add_argument("--port", type=int, default=8000)
-    engine.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    engine.add_argument(
+        "--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"]
+    )
     engine.add_argument(
         "--kv-cache-bytes",
         type=_parse_bytes,

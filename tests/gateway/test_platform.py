@@ -217,3 +217,37 @@ def test_a_flood_does_not_starve_a_light_tenant(
     )
     assert flood_sent > 80
     assert p99(loaded) <= 2 * p99(unloaded)
+
+
+@pytest.mark.slow
+def test_serve_without_a_config_serves_the_embedded_model(
+    real_model_dir: Path, tmp_path: Path
+) -> None:
+    """No config: one builtin replica of SmolLM2-135M-Instruct, an admin key made on first start
+    and kept (0600) in the data directory, usable as a key; a tenant key made by the CLI works."""
+    import openai
+
+    data = tmp_path / "data"
+    server = EngineServer(["--data-dir", str(data)], command="serve", timeout_s=240)
+    try:
+        key_file = data / "admin_key"
+        assert key_file.stat().st_mode & 0o777 == 0o600
+        admin = key_file.read_text().strip()
+        tenant_key = cli("keys", "create", "--tenant", "quick", "--json", "--data-dir", str(data))
+        for key in (admin, tenant_key["key"]):
+            with openai.OpenAI(
+                base_url=server.base_url + "/v1", api_key=key, max_retries=0
+            ) as client:
+                assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+                out = client.chat.completions.create(
+                    model="SmolLM2-135M-Instruct",
+                    messages=[{"role": "user", "content": "What is the capital of France?"}],
+                    max_tokens=12,
+                    temperature=0,
+                )
+                assert "Paris" in (out.choices[0].message.content or "")
+        records = cli("usage", "--tenant", "quick", "--json", "--data-dir", str(data))
+        assert [(r["replica"], r["status"]) for r in records] == [("SmolLM2-135M-Instruct/0", 200)]
+        assert records[0]["priority"] == "standard" and records[0]["completion_tokens"] > 0
+    finally:
+        server.stop()

@@ -48,6 +48,28 @@ def usage(
     )
 
 
+def test_version_2_adds_the_retry_columns_to_an_old_database(store_url: str) -> None:
+    """A database at version 1 (no attempts / failed_replicas columns) with a record in it."""
+    import sqlalchemy as sa
+
+    store = Store(store_url)
+    try:
+        store.migrate()
+        store.add_usage([usage("old")])
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("ALTER TABLE usage_records DROP COLUMN attempts"))
+            conn.execute(sa.text("ALTER TABLE usage_records DROP COLUMN failed_replicas"))
+            conn.execute(sa.text("UPDATE infercloud_schema_version SET version = 1"))
+        assert store.version() == 1
+        assert store.migrate() == 2
+        store.add_usage([replace(usage("new"), attempts=2, failed_replicas="m/1")])
+        rows = {r.request_id: r for r in store.usage()}
+        assert (rows["old"].attempts, rows["old"].failed_replicas) == (1, None)
+        assert (rows["new"].attempts, rows["new"].failed_replicas) == (2, "m/1")
+    finally:
+        store.close()
+
+
 def test_migrations_are_idempotent_and_versioned(store_url: str) -> None:
     store = Store(store_url)
     try:

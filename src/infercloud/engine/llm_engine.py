@@ -27,7 +27,7 @@ from infercloud.engine.config import EngineConfig
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
 from infercloud.engine.model_config import ModelConfig
-from infercloud.engine.model_runner import DTYPES, ModelRunner, num_kv_blocks_for_bytes
+from infercloud.engine.model_runner import ModelRunner, num_kv_blocks_for_bytes, resolve_dtype
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.sampler import TokenLogprobs
@@ -99,9 +99,7 @@ class LLMEngine:
         self._decoder = self.tokenizer.backend_tokenizer
         limit = self.model_config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {config.dtype!r}")
-        dtype = DTYPES[config.dtype]
+        dtype = resolve_dtype(config.dtype, torch.device(config.device))
         num_blocks = num_kv_blocks_for_bytes(
             self.model_config, config.kv_cache_bytes, config.block_size, dtype
         )

@@ -27,6 +27,18 @@ from infercloud.engine.scheduler import ScheduledChunk, SchedulerOutput
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A dtype by name; "auto" is bfloat16 where it runs natively (CUDA, or a CPU whose oneDNN
+    packs bfloat16 weights: AVX-512 or AVX-NE-CONVERT) and float32 elsewhere. On an AVX2-only
+    CPU bfloat16 is emulated: a decode-sized GEMM took 5.9 ms against 1.2 ms in float32."""
+    if name == "auto":
+        native = device.type == "cuda" or can_pack(device, torch.bfloat16)
+        return torch.bfloat16 if native else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 @dataclass(frozen=True, slots=True)
 class StepResult:
     """Sampled tokens of the chunks that sample, in the order of `sampled_chunks`."""
@@ -67,7 +79,7 @@ class ModelRunner:
         self.model = model.to(dtype=dtype).eval()
         # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
         self.model.rotary.reset_tables()
-        if packed_linear and can_pack(device):
+        if packed_linear and can_pack(device, dtype):
             pack_linears(self.model)
         self.num_blocks = num_blocks
         rows = config.num_kv_heads * num_blocks

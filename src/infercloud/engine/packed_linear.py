@@ -15,6 +15,8 @@ Used only where torch has oneDNN and the weights live on the CPU.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -22,8 +24,25 @@ PACK_FOR_ROWS = 32
 """The row count the packed layout is tuned for (a hint: any row count works)."""
 
 
-def can_pack(device: torch.device) -> bool:
-    return device.type == "cpu" and bool(torch.backends.mkldnn.is_available())  # type: ignore[no-untyped-call]
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs weights of `dtype` here: it needs AVX-512 (or AVX-NE-CONVERT) for
+    bfloat16, which some x86 CPUs (AVX2-only ones) lack; there the plain layers stay."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    return _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    try:
+        weight = torch.ones(8, 8, dtype=dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)
+        torch.ops.mkldnn._linear_pointwise(
+            torch.ones(2, 8, dtype=dtype), packed, None, "none", [], ""
+        )
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):

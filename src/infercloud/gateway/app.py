@@ -5,10 +5,14 @@ One request's path, in order (each step can refuse it with an OpenAI error body)
   2. limits of its key and its tenant: requests and tokens per minute, concurrent requests,
      budget for the period (429 with Retry-After and `x-ratelimit-*` headers);
   3. admission: start now, wait in its priority class, or be shed (503 with Retry-After);
-  4. forward to a replica of the model (round robin until the router of a later issue), with the
-     tenant's cache salt, and for builtin replicas the class as the engine's priority;
+  4. route to a replica of the model (`router.replica_set`, the deployment's policy), with the
+     tenant's cache salt, and for builtin replicas the class as the engine's priority; a replica
+     that fails (connection refused or reset, a 5xx, ejected by its health checks) before the
+     request's first token is left for another one, up to `routing.max_attempts`, unseen by the
+     client;
   5. relay the answer (streamed or not) and, whatever happened, write exactly one usage record
-     and settle the limits (the real prompt and output tokens, the money spent).
+     and settle the limits (the real prompt and output tokens, the money spent). A stream whose
+     replica fails after its first token ends with an error event.
 
 `Flight` carries one request through steps 2-5; its `finish` is idempotent, so every path out
 (success, upstream error, client gone, refusal) ends in one record and one release of each slot.
@@ -21,7 +25,6 @@ import contextlib
 import datetime as dt
 import hashlib
 import hmac
-import itertools
 import json
 import logging
 import math
@@ -30,10 +33,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import aiohttp
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -58,6 +61,8 @@ from infercloud.gateway.replicas import Replica
 from infercloud.gateway.sse import UsageRelay
 from infercloud.gateway.store import KeyRecord, Store, UsageRecord
 from infercloud.gateway.usage_writer import UsageWriter
+from infercloud.models.prompts import chat_prompt_ids, content_text, text_prompt_ids
+from infercloud.router.replica_set import NoReplicaError, ReplicaSet, ReplicaState, Route
 from infercloud.server.errors import (
     APIError,
     BodyLimitMiddleware,
@@ -134,6 +139,9 @@ class Flight:
     slots: list[str] = field(default_factory=list)
     tpm_keys: list[tuple[str, int]] = field(default_factory=list)
     spend_keys: list[str] = field(default_factory=list)
+    route: Route | None = None
+    attempts: int = 0
+    failed_replicas: list[str] = field(default_factory=list)
     done: bool = False
 
     async def finish(
@@ -155,6 +163,8 @@ class Flight:
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
         dep = self.deployment
         cost = dep.price.cost_usd(prompt, cached, completion) if dep is not None else 0.0
+        if self.route is not None:
+            ReplicaSet.finish(self.route)
         if self.ticket is not None:
             gw.release(self.deployment, self.ticket)
         for key in self.slots:
@@ -189,6 +199,8 @@ class Flight:
             e2e_ms=(now - self.started_s) * 1e3,
             stream=self.stream,
             created_at_s=self.created_at_s,
+            attempts=self.attempts,
+            failed_replicas=",".join(self.failed_replicas) or None,
         )
         gw.writer.record(record)
         gw.metric_requests.labels(dep.name if dep else "", str(status), outcome).inc()
@@ -196,6 +208,15 @@ class Flight:
 
 def _getter(queue: AdmissionQueue, attr: str) -> Callable[[], float]:
     return lambda: float(getattr(queue, attr))
+
+
+class ReplicaFailed(Exception):
+    """A replica failed a request before its first token (so another may take it)."""
+
+    def __init__(self, reason: str, connection: bool) -> None:
+        super().__init__(reason)
+        self.connection = connection
+        """The connection failed (refused, reset, timed out, ejected), not just one answer."""
 
 
 class Gateway:
@@ -206,16 +227,24 @@ class Gateway:
         limits: Limits,
         replicas: dict[str, list[Replica]],
         admin_key: str,
-        token_counters: dict[str, Callable[[str], int]] | None = None,
+        tokenizers: dict[str, Any] | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.store = store
         self.limits = limits
-        self.replicas = replicas
+        self.replica_sets = {
+            m.name: ReplicaSet.of(m.name, replicas.get(m.name, []), m.routing)
+            for m in config.models
+        }
+        self.restart: Callable[[ReplicaState], Replica | None] | None = None
+        """Set by `serve`: start a new process for a builtin replica that died."""
+        self._monitors: list[asyncio.Task[None]] = []
         self._admin_sha = hashlib.sha256(admin_key.encode()).hexdigest()
-        self.token_counters = token_counters or {}
+        self.tokenizers = tokenizers or {}
+        """Hugging Face tokenizers by model: prompts are counted and routed by their real
+        token ids (the replica's own template and tokenizer, `models.prompts`)."""
         self.clock = clock
         self.wall_clock = wall_clock
         self.writer = UsageWriter(store)
@@ -228,7 +257,6 @@ class Gateway:
             for m in config.models
         }
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
-        self._round_robin = {m.name: itertools.count() for m in config.models}
         self._session: aiohttp.ClientSession | None = None
         self._auth_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="auth")
         """Key lookups get threads of their own: behind a flood's lookups in the default pool
@@ -274,7 +302,41 @@ class Gateway:
         limits = self.config.tenants.get(tenant)
         return limits.weight if limits else 1.0
 
+    async def start(self) -> None:
+        """Start watching the replicas (health, KV events, dead processes)."""
+        from infercloud.router.monitor import watch
+
+        session = await self.session()
+        for rs in self.replica_sets.values():
+            self._monitors.append(asyncio.create_task(watch(rs, session, self.restart)))
+
+    def replica_state(self, name: str) -> tuple[ReplicaSet, ReplicaState]:
+        for rs in self.replica_sets.values():
+            state = rs.state(name)
+            if state is not None:
+                return rs, state
+        raise APIError(404, f"no replica {name!r}", code="replica_not_found")
+
+    async def drain(self, name: str) -> dict[str, Any]:
+        """Take a replica out of routing; once its requests are done, stop it (a builtin
+        replica's process ends; an upstream is only forgotten)."""
+        _, state = self.replica_state(name)
+        if state.status not in ("draining", "stopped"):
+            state.status = "draining"
+            self._monitors.append(asyncio.create_task(self._stop_when_idle(state)))
+        return {"name": name, "status": state.status, "outstanding": state.outstanding}
+
+    async def _stop_when_idle(self, state: ReplicaState) -> None:
+        while state.outstanding > 0:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(state.replica.stop)
+        state.status = "stopped"
+        log.info("replica %s drained and stopped", state.name)
+
     async def close(self) -> None:
+        for task in self._monitors:
+            task.cancel()
+        await asyncio.gather(*self._monitors, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         self._auth_pool.shutdown(wait=False)
@@ -484,27 +546,43 @@ class Gateway:
             else:  # nobody waits for it any more: give the slot back at once
                 self.release(deployment, t)
 
-    def pick_replica(self, deployment: ModelDeployment) -> Replica:
-        replicas = self.replicas.get(deployment.name) or []
-        if not replicas:
-            raise APIError(503, f"model {deployment.name!r} has no replica", code="no_replica")
-        return replicas[next(self._round_robin[deployment.name]) % len(replicas)]
+    def prompt_ids(self, deployment: ModelDeployment, body: GenerationRequest) -> list[int]:
+        """The prompt's token ids with the model's tokenizer (and chat template); without one,
+        the prompt's UTF-8 bytes stand in (for routing history and a 4-bytes-per-token
+        estimate)."""
+        tokenizer = self.tokenizers.get(deployment.name)
+        if isinstance(body, CompletionRequest):
+            prompt = body.prompt
+            if isinstance(prompt, list) and prompt and not isinstance(prompt[0], str):
+                first = prompt if isinstance(prompt[0], int) else prompt[0]
+                return [int(t) for t in first]
+            text = prompt if isinstance(prompt, str) else (prompt[0] if prompt else "")
+            if tokenizer is not None:
+                return text_prompt_ids(tokenizer, str(text))
+            return list(str(text).encode())
+        assert isinstance(body, ChatCompletionRequest)
+        messages = [{"role": m.role, "content": content_text(m.content)} for m in body.messages]
+        if tokenizer is not None:
+            with contextlib.suppress(Exception):  # the replica answers a template error
+                return chat_prompt_ids(tokenizer, messages)
+        return list(json.dumps(messages, ensure_ascii=False).encode())
 
-    def count_prompt_tokens(self, deployment: ModelDeployment, body: GenerationRequest) -> int:
+    def count_prompt_tokens(
+        self, deployment: ModelDeployment, body: GenerationRequest, ids: list[int]
+    ) -> int:
         if isinstance(body, CompletionRequest):
             given = body.prompt_token_count()
             if given is not None:
                 return given
-        text = (
-            body.prompt_text()
-            if isinstance(body, ChatCompletionRequest | CompletionRequest)
-            else ""
-        )
-        counter = self.token_counters.get(deployment.name)
-        extra = 4 * len(body.messages) if isinstance(body, ChatCompletionRequest) else 0
-        if counter is not None:
-            return counter(text) + extra
-        return max(1, len(text.encode()) // 4) + extra
+            if isinstance(body.prompt, list) and len(body.prompt) > 1:
+                text = body.prompt_text()
+                tokenizer = self.tokenizers.get(deployment.name)
+                if tokenizer is not None:
+                    return len(text_prompt_ids(tokenizer, text))
+                return max(1, len(text.encode()) // 4)
+        if deployment.name in self.tokenizers:
+            return len(ids)
+        return max(1, len(ids) // 4)
 
     # -- one request --------------------------------------------------------------------------
 
@@ -562,7 +640,8 @@ class Gateway:
                 code="model_not_found",
             )
         flight.deployment = deployment
-        prompt_tokens = self.count_prompt_tokens(deployment, body)
+        ids = self.prompt_ids(deployment, body)
+        prompt_tokens = self.count_prompt_tokens(deployment, body, ids)
         headers = await self.check_limits(flight, caller, prompt_tokens)
         output = getattr(body, "output_limit", None)
         now = self.clock()
@@ -574,15 +653,83 @@ class Gateway:
             deadline_s=now + self.config.gateway.queue_timeout_s,
         )
         await self.admit(flight, deployment, ticket)
-        replica = self.pick_replica(deployment)
-        flight.replica = replica
+        salt = caller.tenant if body.cache_salt is None else f"{caller.tenant}/{body.cache_salt}"
+        session_key = body.user or raw.headers.get(deployment.routing.session_header)
+        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        replica_set = self.replica_sets[deployment.name]
+        while True:
+            try:
+                route = replica_set.route(
+                    flight.request_id, ids, salt, session_key, self.clock(), flight.failed_replicas
+                )
+            except NoReplicaError:
+                if flight.failed_replicas:
+                    return await self._all_failed(flight)
+                raise APIError(
+                    503, f"model {deployment.name!r} has no healthy replica", code="no_replica"
+                ) from None
+            flight.route = route
+            flight.replica = route.state.replica
+            flight.attempts += 1
+            try:
+                return await self._attempt(flight, body, endpoint, salt, want_usage, headers)
+            except ReplicaFailed as exc:
+                log.warning("replica %s failed %s: %s", route.state.name, flight.request_id, exc)
+                ReplicaSet.finish(route)
+                flight.route = None
+                flight.failed_replicas.append(route.state.name)
+                if exc.connection:
+                    replica_set.eject(route.state)
+                if flight.attempts >= deployment.routing.max_attempts:
+                    return await self._all_failed(flight)
+
+    async def _all_failed(self, flight: Flight) -> Response:
+        tried = ", ".join(flight.failed_replicas)
+        await flight.finish("failed", 502, error=f"replicas failed: {tried}")
+        return error_response(
+            502, f"the request failed on every replica tried ({tried})", code="replica_failed"
+        )
+
+    @staticmethod
+    async def _unless_ejected(awaitable: Any, state: ReplicaState, period_s: float) -> Any:
+        """Await `awaitable`, giving up (`ReplicaFailed`) if the replica is ejected meanwhile
+        (checked every `period_s`): a hung replica's requests move on once its health checks
+        fail."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=period_s)
+                if done:
+                    return task.result()
+                if state.status == "ejected":
+                    task.cancel()
+                    raise ReplicaFailed(f"replica {state.name} was ejected", connection=True)
+        except BaseException:
+            task.cancel()
+            raise
+
+    async def _attempt(
+        self,
+        flight: Flight,
+        body: GenerationRequest,
+        endpoint: str,
+        salt: str,
+        want_usage: bool,
+        headers: dict[str, str],
+    ) -> Response:
+        """Send the request to `flight.route`'s replica. Raises `ReplicaFailed` while nothing
+        has reached the client; after that, failures end the response (and the flight)."""
+        assert flight.route is not None and flight.ticket is not None
+        assert flight.deployment is not None
+        route = flight.route
+        state = route.state
+        period_s = flight.deployment.routing.health_interval_s
+        replica = state.replica
         payload = body.forwarded()
         payload["model"] = replica.served_model
-        salt = caller.tenant if body.cache_salt is None else f"{caller.tenant}/{body.cache_salt}"
         payload["cache_salt"] = salt
         if replica.builtin:
-            payload["priority"] = CLASSES.index(ticket.priority)
-        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+            payload["priority"] = CLASSES.index(flight.ticket.priority)
         if body.stream:
             payload["stream_options"] = {
                 **(payload.get("stream_options") or {}),
@@ -593,25 +740,29 @@ class Gateway:
             upstream_headers["authorization"] = f"Bearer {replica.api_key}"
         session = await self.session()
         try:
-            upstream = await session.post(
-                f"{replica.url}/v1/{endpoint}",
-                data=json.dumps(payload).encode(),
-                headers=upstream_headers,
+            upstream = await self._unless_ejected(
+                session.post(
+                    f"{replica.url}/v1/{endpoint}",
+                    data=json.dumps(payload).encode(),
+                    headers=upstream_headers,
+                ),
+                state,
+                period_s,
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
-            return error_response(
-                502, f"replica {replica.name} is unreachable", code="replica_failed"
-            )
+            raise ReplicaFailed(repr(exc), connection=True) from exc
         if upstream.status != 200 or not body.stream:
             try:
-                content = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+                content = await self._unless_ejected(upstream.read(), state, period_s)
+            except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
                 upstream.close()
-                await flight.finish("failed", 502, error=f"replica {replica.name}: {exc!r}")
-                return error_response(502, f"replica {replica.name} failed", code="replica_failed")
+                raise ReplicaFailed(repr(exc), connection=True) from exc
             finally:
                 upstream.release()
+            if upstream.status >= 500:
+                raise ReplicaFailed(
+                    f"status {upstream.status}: {content[:200]!r}", connection=False
+                )
             try:
                 data = json.loads(content)
             except ValueError:
@@ -620,6 +771,7 @@ class Gateway:
             usage = data.get("usage") if ok and isinstance(data, dict) else None
             if ok:
                 flight.first_token_s = self.clock()
+                ReplicaSet.first_token(route)
             error = None if ok else content[:500].decode(errors="replace")
             await flight.finish("completed" if ok else "failed", upstream.status, usage, error)
             return Response(
@@ -628,31 +780,70 @@ class Gateway:
                 media_type="application/json",
                 headers=headers,
             )
+        # A stream: hold its events back until the first token, so that a replica failing
+        # before then can be replaced without the client seeing anything.
+        relay = UsageRelay(want_usage)
+        events = upstream.content.iter_any()
+        held: list[bytes] = []
+        try:
+            while not relay.saw_token:
+                block = await self._unless_ejected(events.__anext__(), state, period_s)
+                out = relay.feed(block)
+                if out:
+                    held.append(out)
+        except StopAsyncIteration:
+            pass  # ended without a token (max_tokens 0, say): pass it on as it is
+        except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
+            upstream.close()
+            raise ReplicaFailed(f"before the first token: {exc!r}", connection=True) from exc
+        except BaseException:
+            upstream.close()
+            raise
+        if relay.saw_token:
+            flight.first_token_s = self.clock()
+            ReplicaSet.first_token(route)
         return StreamingResponse(
-            self._relay(flight, upstream, want_usage),
+            self._relay(flight, upstream, relay, held, events),
             media_type="text/event-stream",
             headers=headers,
         )
 
     async def _relay(
-        self, flight: Flight, upstream: aiohttp.ClientResponse, want_usage: bool
+        self,
+        flight: Flight,
+        upstream: aiohttp.ClientResponse,
+        relay: UsageRelay,
+        held: list[bytes],
+        events: Any,
     ) -> AsyncIterator[bytes]:
-        """Pass the replica's events through as they come (`UsageRelay`), then finish."""
-        relay = UsageRelay(want_usage)
+        """Pass the held events, then the rest as they come (`UsageRelay`), then finish."""
+        assert flight.route is not None and flight.deployment is not None
+        state = flight.route.state
+        period_s = flight.deployment.routing.health_interval_s
         try:
-            async for block in upstream.content.iter_any():
+            for out in held:
+                yield out
+            while True:
+                try:
+                    block = await self._unless_ejected(events.__anext__(), state, period_s)
+                except StopAsyncIteration:
+                    break
                 out = relay.feed(block)
-                if flight.first_token_s is None and relay.saw_data:
+                if flight.first_token_s is None and relay.saw_token:
                     flight.first_token_s = self.clock()
+                    ReplicaSet.first_token(flight.route)
                 if out:
                     yield out
             tail = relay.finish()
             if tail:
                 yield tail
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
             upstream.close()
-            name = flight.replica.name if flight.replica else "?"
-            body = error_body(502, f"replica {name} failed mid-stream", None, "replica_failed")
+            if isinstance(exc, aiohttp.ClientError):  # the connection broke: out of routing
+                self.replica_sets[flight.deployment.name].eject(state)
+            body = error_body(
+                502, f"replica {state.name} failed mid-stream", None, "replica_failed"
+            )
             await flight.finish("failed", 200, relay.usage, error=f"mid-stream: {exc!r}")
             yield f"data: {json.dumps(body)}\n\n".encode()
             return
@@ -691,6 +882,7 @@ class RequestIdMiddleware:
 def create_gateway_app(gateway: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await gateway.start()
         yield
         await gateway.close()
 
@@ -745,7 +937,9 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         return await gateway.handle(raw, body, "completions")
 
     @app.get("/v1/usage")
-    async def own_usage(raw: Request, limit: int = 1000) -> dict[str, Any]:
+    async def own_usage(
+        raw: Request, limit: Annotated[int, Query(ge=1, le=10000)] = 1000
+    ) -> dict[str, Any]:
         """The caller's tenant's usage records (never another tenant's)."""
         caller = await gateway.authenticate(raw)
         await asyncio.to_thread(gateway.writer.flush)
@@ -772,9 +966,28 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
             raise APIError(404, f"no active key {key_id!r}", code="key_not_found")
         return {"key_id": key_id, "revoked": True}
 
+    @app.get("/admin/replicas")
+    async def list_replicas(raw: Request) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        return {
+            "object": "list",
+            "data": [
+                {"model": model, **row}
+                for model, rs in gateway.replica_sets.items()
+                for row in rs.snapshot()
+            ],
+        }
+
+    @app.post("/admin/replicas/{name:path}/drain")
+    async def drain_replica(name: str, raw: Request) -> dict[str, Any]:
+        await gateway.require_admin(raw)
+        return await gateway.drain(name)
+
     @app.get("/admin/usage")
     async def admin_usage(
-        raw: Request, tenant: str | None = None, limit: int = 10000
+        raw: Request,
+        tenant: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=100000)] = 10000,
     ) -> dict[str, Any]:
         await gateway.require_admin(raw)
         await asyncio.to_thread(gateway.writer.flush)

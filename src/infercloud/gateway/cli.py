@@ -181,21 +181,33 @@ def serve(args: argparse.Namespace) -> int:
     key = admin_key(args, directory)
     replicas: dict[str, list[Replica]] = {}
     started: list[Replica] = []
+    launch: dict[str, Any] = {}
+    logs = directory / "logs"
     try:
         for dep in config.models:
             for i, spec in enumerate(dep.replicas):
                 if spec.builtin is not None:
-                    r = start_builtin(dep, i, spec.builtin, directory / "logs")
+                    r = start_builtin(dep, i, spec.builtin, logs)
                     started.append(r)
+                    launch[r.name] = (dep, i, spec.builtin)
                 else:
                     assert spec.upstream is not None
                     r = upstream(dep, i, spec.upstream)
                 replicas.setdefault(dep.name, []).append(r)
         wait_ready(started)
         limits = RedisLimits(args.redis_url) if args.redis_url else LocalLimits(time.monotonic)
-        gateway = Gateway(
-            config, store, limits, replicas, key, token_counters=token_counters(config)
-        )
+        gateway = Gateway(config, store, limits, replicas, key, tokenizers=tokenizers(config))
+
+        def restart(state: Any) -> Replica | None:
+            """A new process in place of a builtin replica that died."""
+            if state.name not in launch:
+                return None
+            dep, index, spec = launch[state.name]
+            r = start_builtin(dep, index, spec, logs)
+            started.append(r)
+            return r
+
+        gateway.restart = restart
         app = create_gateway_app(gateway)
         print(
             f"infercloud serve: {', '.join(m.name for m in config.models)} on "
@@ -214,11 +226,10 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def token_counters(config: Any) -> dict[str, Any]:
-    """A prompt-token counter per model whose tokenizer is on disk (builtin replicas' models,
-    or the deployment's `tokenizer` folder)."""
-    from tokenizers import Tokenizer
-
+def tokenizers(config: Any) -> dict[str, Any]:
+    """The Hugging Face tokenizer of each model that has one on disk (builtin replicas' model,
+    or the deployment's `tokenizer` folder): prompts are counted and routed by real token ids."""
+    from infercloud.models.prompts import load_tokenizer
     from infercloud.models.registry import resolve_model
 
     out: dict[str, Any] = {}
@@ -229,6 +240,5 @@ def token_counters(config: Any) -> dict[str, Any]:
             if builtin is not None:
                 folder = resolve_model(builtin.model)[1]
         if folder is not None and (folder / "tokenizer.json").exists():
-            tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-            out[dep.name] = lambda text, tok=tok: len(tok.encode(text, add_special_tokens=False))
+            out[dep.name] = load_tokenizer(folder)
     return out

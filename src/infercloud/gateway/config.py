@@ -48,7 +48,8 @@ class Price(_Strict):
 
 class BuiltinReplica(_Strict):
     model: str = DEFAULT_MODEL_NAME
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
+    """"auto": bfloat16 where the hardware runs it natively, else float32."""
     kv_cache_bytes: str | int = "1GiB"
     threads: int | None = Field(default=None, ge=1)
     """torch CPU threads of the replica (default: one per core)."""
@@ -63,9 +64,17 @@ class UpstreamReplica(_Strict):
     api_key: str | None = None
 
 
+class Hardware(_Strict):
+    """What a replica runs on, for the ledger and the simulator: a label and its price."""
+
+    name: str = "local-cpu"
+    price_per_hour: float = Field(default=0.0, ge=0)
+
+
 class ReplicaSpec(_Strict):
     builtin: BuiltinReplica | None = None
     upstream: UpstreamReplica | None = None
+    hardware: Hardware = Field(default_factory=Hardware)
 
     @model_validator(mode="after")
     def _one_kind(self) -> ReplicaSpec:
@@ -74,10 +83,42 @@ class ReplicaSpec(_Strict):
         return self
 
 
+class Routing(_Strict):
+    """How the gateway picks a replica (`router.policies`) and watches replicas' health."""
+
+    policy: Literal[
+        "round_robin", "least_outstanding", "power_of_two", "session_affinity", "kv_aware"
+    ] = "kv_aware"
+    prefill_weight: float = Field(default=1.0, ge=0)
+    """kv_aware's w: the cost of one uncached prompt token against the load terms."""
+    decode_weight: float = Field(default=16.0, ge=0)
+    """kv_aware's d: a running decode, in prompt tokens of prefill."""
+    balance_abs: int = Field(default=8, ge=0)
+    balance_rel: float = Field(default=1.5, ge=1)
+    session_header: str = "x-session-id"
+    """Affinity key when the body has no `user`."""
+    kv_events_interval_s: float = Field(default=0.2, gt=0)
+    learned_ttl_s: float = Field(default=120.0, gt=0)
+    """Upstreams without KV events: how long a routed prompt counts as cached there."""
+    health_interval_s: float = Field(default=1.0, gt=0)
+    health_timeout_s: float = Field(default=1.0, gt=0)
+    unhealthy_after: int = Field(default=2, ge=1)
+    """Consecutive failed health checks that eject a replica."""
+    max_attempts: int = Field(default=3, ge=1)
+    """Replicas tried for one request that has produced no token yet."""
+
+
+class SLO(_Strict):
+    ttft_ms: float | None = Field(default=None, gt=0)
+    tpot_ms: float | None = Field(default=None, gt=0)
+
+
 class ModelDeployment(_Strict):
     name: str
     replicas: list[ReplicaSpec] = Field(min_length=1)
     price: Price = Field(default_factory=Price)
+    routing: Routing = Field(default_factory=Routing)
+    slo: SLO = Field(default_factory=SLO)
     max_inflight_per_replica: int = Field(default=32, ge=1)
     tokenizer: str | None = None
     """A Hugging Face folder whose tokenizer counts prompt tokens for limits (builtin replicas

@@ -11,6 +11,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+INT32_MAX = 2**31 - 1
+"""Limits are stored in 32-bit integer columns, and token counts are at most that too."""
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -31,7 +34,7 @@ class GenerationRequest(BaseModel):
     model: str = Field(min_length=1, max_length=256)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     user: str | None = None
     cache_salt: str | None = Field(default=None, max_length=256)
     metadata: dict[str, Any] | None = None
@@ -43,7 +46,7 @@ class GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     def prompt_text(self) -> str:
         parts: list[str] = []
@@ -88,8 +91,8 @@ class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tenant: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$")
-    rpm: int | None = Field(default=None, ge=1)
-    tpm: int | None = Field(default=None, ge=1)
-    max_concurrent: int | None = Field(default=None, ge=1)
+    rpm: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    tpm: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_concurrent: int | None = Field(default=None, ge=1, le=INT32_MAX)
     priority: str = Field(default="standard", pattern=r"^(interactive|standard|batch)$")
-    budget_usd: float | None = Field(default=None, ge=0)
+    budget_usd: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)

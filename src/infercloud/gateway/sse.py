@@ -19,13 +19,16 @@ _END = b"\n\n"
 
 
 class UsageRelay:
-    __slots__ = ("_buffer", "saw_data", "usage", "want_usage")
+    __slots__ = ("_buffer", "saw_data", "saw_token", "usage", "want_usage")
 
     def __init__(self, want_usage: bool) -> None:
         self.want_usage = want_usage
         self.usage: dict[str, Any] | None = None
         self.saw_data = False
-        """True once an event with a JSON payload passed (the first token is out)."""
+        """True once an event with a JSON payload passed."""
+        self.saw_token = False
+        """True once an event carried generated text (the first token is out; a role-only
+        first chunk does not count). Events are parsed for this only until it is true."""
         self._buffer = b""
 
     def feed(self, block: bytes) -> bytes:
@@ -37,6 +40,8 @@ class UsageRelay:
         complete, self._buffer = data[: cut + 2], data[cut + 2 :]
         if not self.saw_data and b"data: {" in complete:
             self.saw_data = True
+        if self.saw_data and not self.saw_token:
+            self.saw_token = any(_has_token(e) for e in complete[:-2].split(_END))
         if b'"usage"' not in complete:
             return complete
         return b"".join(self._event(e) for e in complete[:-2].split(_END))
@@ -64,3 +69,22 @@ class UsageRelay:
             return b""  # the usage-only chunk the client did not ask for
         del chunk["usage"]
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + _END
+
+
+def _has_token(event: bytes) -> bool:
+    if not event.startswith(b"data: {"):
+        return False
+    try:
+        chunk = json.loads(event[6:])
+    except ValueError:
+        return False
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    for c in choices or ():
+        if not isinstance(c, dict):
+            continue
+        delta = c.get("delta")
+        if c.get("text") or (
+            isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls"))
+        ):
+            return True
+    return False

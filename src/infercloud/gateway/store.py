@@ -77,6 +77,9 @@ usage_records = sa.Table(
     sa.Column("e2e_ms", sa.Float, nullable=False),
     sa.Column("stream", sa.Boolean, nullable=False),
     sa.Column("created_at_s", sa.Float, nullable=False, index=True),
+    # version 2
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("failed_replicas", sa.Text, nullable=True),
 )
 
 
@@ -85,7 +88,19 @@ def _v1(conn: Connection) -> None:
         table.create(conn, checkfirst=True)
 
 
-MIGRATIONS: Sequence[Callable[[Connection], None]] = (_v1,)
+def _v2(conn: Connection) -> None:
+    """Retries: how many replicas a request was sent to, and which of them failed it. (On a
+    database that `_v1` created from this module's tables the columns exist already.)"""
+    have = {c["name"] for c in sa.inspect(conn).get_columns("usage_records")}
+    if "attempts" not in have:
+        conn.execute(
+            sa.text("ALTER TABLE usage_records ADD COLUMN attempts INTEGER NOT NULL DEFAULT 1")
+        )
+    if "failed_replicas" not in have:
+        conn.execute(sa.text("ALTER TABLE usage_records ADD COLUMN failed_replicas TEXT"))
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (_v1, _v2)
 """`MIGRATIONS[i]` upgrades the schema from version i to i + 1."""
 
 
@@ -132,6 +147,10 @@ class UsageRecord:
     e2e_ms: float
     stream: bool
     created_at_s: float
+    attempts: int = 1
+    """Replicas the request was sent to (more than 1 when one failed before its first token)."""
+    failed_replicas: str | None = None
+    """Comma-separated names of the replicas that failed it, in order."""
 
 
 def database_url_for(data_dir: Path) -> str:

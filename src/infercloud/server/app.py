@@ -25,6 +25,7 @@ from infercloud.engine.llm_engine import LLMEngine, RequestRejectedError
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
+from infercloud.models.prompts import chat_prompt_ids, text_prompt_ids
 from infercloud.server.errors import (
     APIError,
     BodyLimitMiddleware,
@@ -215,13 +216,13 @@ def create_app(
         prompt: str | list[str] | list[int] | list[list[int]],
     ) -> list[list[int]]:
         if isinstance(prompt, str):
-            return [list(tokenizer(prompt)["input_ids"])]
+            return [text_prompt_ids(tokenizer, prompt)]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [list(prompt)]  # type: ignore[arg-type]
         if all(isinstance(p, str) for p in prompt):
-            return [list(tokenizer(p)["input_ids"]) for p in prompt]
+            return [text_prompt_ids(tokenizer, p) for p in prompt]  # type: ignore[arg-type]
         return [list(p) for p in prompt]  # type: ignore[arg-type]
 
     @app.post("/v1/completions")
@@ -308,12 +309,9 @@ def create_app(
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         params = check_common(body)
         try:
-            text = tokenizer.apply_chat_template(
-                body.template_messages(), tokenize=False, add_generation_prompt=True
-            )
+            ids = chat_prompt_ids(tokenizer, body.template_messages())
         except Exception as exc:
             raise APIError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         streams = await start([ids], params, body.priority, body.cache_salt or "")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())

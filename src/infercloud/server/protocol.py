@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from infercloud.engine.sampling_params import SamplingParams
+from infercloud.models.prompts import content_text
 
 
 class StreamOptions(BaseModel):
@@ -100,11 +101,7 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return content_text(self.content)
 
 
 class ChatCompletionRequest(_SamplingFields):
