@@ -41,8 +41,7 @@ async def watch(
         for state in replica_set.states
     ]
     tasks += [
-        asyncio.create_task(_kv_events(replica_set, state, session))
-        for state in replica_set.states
+        asyncio.create_task(_kv_events(replica_set, state, session)) for state in replica_set.states
     ]
     try:
         await asyncio.gather(*tasks)
