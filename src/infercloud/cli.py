@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV pool size, e.g. 1073741824 or 1GiB",
     )
     engine.add_argument("--block-size", type=int, default=16)
+    engine.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process is gone (a Ray actor that supervises the engine)",
+    )
     engine.add_argument("--max-model-len", type=int, default=None)
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -141,6 +149,18 @@ def _cache_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_with_parent(pid: int) -> None:
+    """End this process at once when `pid` no longer exists (checked twice a second)."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            os._exit(0)
+        except PermissionError:
+            pass
+        time.sleep(0.5)
+
+
 def _serve_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -197,6 +217,10 @@ def _serve_engine(args: argparse.Namespace) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
+    if args.parent_pid is not None:
+        threading.Thread(
+            target=_exit_with_parent, args=(args.parent_pid,), name="infercloud-parent", daemon=True
+        ).start()
     http = threading.Thread(target=serve_http, name="infercloud-http")
     http.start()
     engine.run()

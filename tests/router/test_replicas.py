@@ -316,3 +316,7 @@ def test_a_dead_builtin_replica_is_restarted(tiny_model_dir: Path, tmp_path: Pat
         assert out["usage"]["completion_tokens"] == 2
     finally:
         gw.stop()
+    # stopping the gateway stops its replicas (uvicorn re-raises SIGTERM after its shutdown,
+    # so this happens in the app's shutdown, not after it)
+    with pytest.raises(ProcessLookupError):
+        os.kill(row["pid"], 0)

@@ -241,6 +241,9 @@ class Gateway:
         self.restart: Callable[[ReplicaState], Replica | None] | None = None
         """Set by `serve`: start a new process for a builtin replica that died."""
         self._monitors: list[asyncio.Task[None]] = []
+        self.on_close: list[Callable[[], None]] = []
+        """Run (in a thread) when the app shuts down: `serve` stops its replicas here, because
+        uvicorn re-raises SIGTERM after its shutdown and the process ends right after it."""
         self._admin_sha = hashlib.sha256(admin_key.encode()).hexdigest()
         self.tokenizers = tokenizers or {}
         """Hugging Face tokenizers by model: prompts are counted and routed by their real
@@ -337,6 +340,8 @@ class Gateway:
         for task in self._monitors:
             task.cancel()
         await asyncio.gather(*self._monitors, return_exceptions=True)
+        for hook in self.on_close:
+            await asyncio.to_thread(hook)
         if self._session is not None:
             await self._session.close()
         self._auth_pool.shutdown(wait=False)

@@ -15,6 +15,7 @@ import os
 import secrets
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,10 @@ def add_commands(sub: Any) -> None:
     serve.add_argument("--redis-url", default=None, help="share limits through Redis")
     serve.add_argument("--admin-key", default=None)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--launcher", choices=["local", "ray"], default=None, help="override the config's"
+    )
+    serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
     add_storage_args(serve)
 
     keys = sub.add_parser("keys", help="create, list and revoke API keys")
@@ -168,7 +173,8 @@ def serve(args: argparse.Namespace) -> int:
     from infercloud.gateway.app import Gateway, create_gateway_app
     from infercloud.gateway.config import DeploymentConfig
     from infercloud.gateway.limits import LocalLimits, RedisLimits
-    from infercloud.gateway.replicas import Replica, start_builtin, upstream, wait_ready
+    from infercloud.gateway.replicas import Replica, upstream, wait_ready
+    from infercloud.launch.base import Launcher
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
@@ -183,11 +189,21 @@ def serve(args: argparse.Namespace) -> int:
     started: list[Replica] = []
     launch: dict[str, Any] = {}
     logs = directory / "logs"
+    launcher: Launcher | None = None
     try:
+        kind = args.launcher or config.gateway.launcher
+        if kind == "ray":
+            from infercloud.launch.ray_actors import RayLauncher
+
+            launcher = RayLauncher(args.ray_address or config.gateway.ray_address, logs)
+        else:
+            from infercloud.launch.local import LocalLauncher
+
+            launcher = LocalLauncher(logs)
         for dep in config.models:
             for i, spec in enumerate(dep.replicas):
                 if spec.builtin is not None:
-                    r = start_builtin(dep, i, spec.builtin, logs)
+                    r = launcher.start(dep, i, spec.builtin)
                     started.append(r)
                     launch[r.name] = (dep, i, spec.builtin)
                 else:
@@ -203,11 +219,20 @@ def serve(args: argparse.Namespace) -> int:
             if state.name not in launch:
                 return None
             dep, index, spec = launch[state.name]
-            r = start_builtin(dep, index, spec, logs)
+            assert launcher is not None
+            r = launcher.start(dep, index, spec)
             started.append(r)
             return r
 
         gateway.restart = restart
+
+        def stop_replicas() -> None:
+            with ThreadPoolExecutor(max_workers=max(1, len(started))) as pool:
+                list(pool.map(lambda r: r.stop(), started))
+            if launcher is not None:
+                launcher.close()
+
+        gateway.on_close.append(stop_replicas)
         app = create_gateway_app(gateway)
         print(
             f"infercloud serve: {', '.join(m.name for m in config.models)} on "
@@ -223,6 +248,8 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         for r in started:
             r.stop()
+        if launcher is not None:
+            launcher.close()
     return 0
 
 

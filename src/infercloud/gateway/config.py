@@ -139,6 +139,10 @@ class GatewaySettings(_Strict):
     queue_timeout_s: float = Field(default=30.0, gt=0)
     budget_period: Literal["day", "month"] = "month"
     max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    launcher: Literal["local", "ray"] = "local"
+    """How builtin replicas run: local subprocesses, or Ray actors (`launch/`)."""
+    ray_address: str | None = None
+    """A Ray cluster to join (`ray://...` or `host:port`); none: start a local one."""
 
 
 class DeploymentConfig(_Strict):

@@ -1,25 +1,37 @@
-"""Replicas the gateway sends requests to: builtin engines it starts itself, or upstream URLs.
+"""Replicas the gateway sends requests to: builtin engines a launcher started (`launch/`), or
+upstream URLs.
 
-A builtin replica is `infercloud engine` in a subprocess on a free loopback port, started with
-priority scheduling so that the gateway's classes reach the engine's scheduler; the gateway waits
-for its `/health` before serving and stops it (SIGTERM, then SIGKILL) on shutdown. An upstream
-replica is only a URL.
+A builtin replica carries its process handle (`ReplicaProcess`: alive or not, stop); the gateway
+waits for its `/health` before serving and stops it on shutdown. An upstream replica is only a
+URL.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
-from infercloud.gateway.config import BuiltinReplica, ModelDeployment, UpstreamReplica
+from infercloud.gateway.config import ModelDeployment, UpstreamReplica
+
+
+class ReplicaProcess(Protocol):
+    @property
+    def pid(self) -> int | None:
+        """The process to signal (a Ray replica's actor worker)."""
+        ...
+
+    def exit_status(self) -> str | None:
+        """None while the engine lives; what happened once it is gone."""
+        ...
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (the engine finishes what it runs), SIGKILL after the timeout."""
+        ...
 
 
 @dataclass(slots=True)
@@ -31,49 +43,18 @@ class Replica:
     served_model: str
     builtin: bool
     api_key: str | None = None
-    process: subprocess.Popen[bytes] | None = None
+    process: ReplicaProcess | None = None
     log_path: Path | None = None
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if self.process is not None:
+            self.process.stop(timeout_s)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def start_builtin(
-    deployment: ModelDeployment, index: int, spec: BuiltinReplica, log_dir: Path
-) -> Replica:
-    port = free_port()
-    cmd = [sys.executable, "-m", "infercloud", "engine", "--model", spec.model]
-    cmd += ["--served-model-name", deployment.name, "--port", str(port)]
-    cmd += ["--dtype", spec.dtype, "--kv-cache-bytes", str(spec.kv_cache_bytes)]
-    cmd += ["--scheduling-policy", "priority", "--log-level", "warning", *spec.args]
-    if spec.threads is not None:
-        cmd += ["--threads", str(spec.threads)]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log_path = log_dir / f"replica-{deployment.name.replace('/', '_')}-{index}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
-    return Replica(
-        f"{deployment.name}/{index}",
-        f"http://127.0.0.1:{port}",
-        deployment.name,
-        builtin=True,
-        process=proc,
-        log_path=log_path,
-    )
 
 
 def upstream(deployment: ModelDeployment, index: int, spec: UpstreamReplica) -> Replica:
@@ -93,9 +74,10 @@ def wait_ready(replicas: list[Replica], timeout_s: float = 300.0) -> None:
         if not r.builtin:
             continue
         while True:
-            if r.process is not None and r.process.poll() is not None:
+            status = r.process.exit_status() if r.process is not None else None
+            if status is not None:
                 tail = r.log_path.read_text()[-2000:] if r.log_path else ""
-                raise RuntimeError(f"replica {r.name} exited ({r.process.returncode}):\n{tail}")
+                raise RuntimeError(f"replica {r.name} {status}:\n{tail}")
             try:
                 if httpx.get(r.url + "/health", timeout=2.0).status_code == 200:
                     break

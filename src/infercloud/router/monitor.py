@@ -84,9 +84,10 @@ async def _health(
     last_restart = 0.0
     while state.status != "stopped":
         proc = state.replica.process
-        if proc is not None and proc.poll() is not None and state.status != "draining":
+        exited = await asyncio.to_thread(proc.exit_status) if proc is not None else None
+        if exited is not None and state.status not in ("draining", "stopped"):
             replica_set.eject(state)
-            log.warning("replica %s exited with %s", state.name, proc.returncode)
+            log.warning("replica %s %s", state.name, exited)
             if restart is None:
                 return
             if time.monotonic() - last_restart > 4 * MAX_BACKOFF_S:

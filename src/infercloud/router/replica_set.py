@@ -192,6 +192,7 @@ class ReplicaSet:
                 "status": s.status,
                 "builtin": s.replica.builtin,
                 "pid": s.replica.process.pid if s.replica.process is not None else None,
+                "launcher": type(s.replica.process).__name__ if s.replica.process else None,
                 "outstanding": s.outstanding,
                 "pending_prefill_tokens": s.pending_prefill_tokens,
                 "decoding": s.decoding,
