@@ -25,13 +25,20 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     port = free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     temp = tmp_path_factory.mktemp("ray")
+    env = {**os.environ, **ray_env(temp)}
     subprocess.run(
         [
-            *(RAY, "start", "--head", f"--port={port}", "--num-cpus=2"),
+            *(
+                RAY,
+                "start",
+                "--head",
+                f"--port={port}",
+                "--num-cpus=2",
+                "--node-ip-address=127.0.0.1",
+            ),
             *("--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}"),
         ],
         check=True,
@@ -40,9 +47,15 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         timeout=180,
     )
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", temp
     finally:
         subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def ray_env(temp: Path) -> dict[str, str]:
+    """A private HOME: `ray start` keeps an auth token in ~/.ray, and a token left there by an
+    earlier cluster makes the next one refuse its clients."""
+    return {"RAY_USAGE_STATS_ENABLED": "0", "HOME": str(temp)}
 
 
 def rows(gw: EngineServer) -> list[dict[str, object]]:
@@ -51,8 +64,9 @@ def rows(gw: EngineServer) -> list[dict[str, object]]:
 
 
 def test_two_ray_actors_serve_and_a_killed_one_is_replaced(
-    ray_cluster: str, tiny_model_dir: Path, tmp_path: Path
+    ray_cluster: tuple[str, Path], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    address, ray_home = ray_cluster
     replica = (
         f"      - builtin: {{model: '{tiny_model_dir}', dtype: float32, kv_cache_bytes: 4MiB, "
         "threads: 1}\n"
@@ -61,16 +75,14 @@ def test_two_ray_actors_serve_and_a_killed_one_is_replaced(
         "models:\n"
         "  - name: tiny\n"
         "    routing: {policy: round_robin, health_interval_s: 0.25}\n"
-        "    replicas:\n"
-        + replica * 2
-        + f"gateway: {{launcher: ray, ray_address: '{ray_cluster}'}}\n"
+        "    replicas:\n" + replica * 2 + f"gateway: {{launcher: ray, ray_address: '{address}'}}\n"
     )
     args = ["--config", str(tmp_path / "deploy.yaml"), "--data-dir", str(tmp_path)]
     gw = EngineServer(
         [*args, "--admin-key", ADMIN],
         command="serve",
         timeout_s=240,
-        env={"RAY_USAGE_STATS_ENABLED": "0"},
+        env=ray_env(ray_home),
     )
     try:
         key = cli("keys", "create", "--tenant", "r", "--json", "--data-dir", str(tmp_path))["key"]

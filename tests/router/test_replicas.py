@@ -320,3 +320,55 @@ def test_a_dead_builtin_replica_is_restarted(tiny_model_dir: Path, tmp_path: Pat
     # so this happens in the app's shutdown, not after it)
     with pytest.raises(ProcessLookupError):
         os.kill(row["pid"], 0)
+
+
+def test_a_hung_replica_is_ejected_and_its_requests_move_on(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGSTOP a replica: within seconds its health checks eject it; a stream it was serving
+    ends with an error event, a request waiting on it for its first token completes on the
+    other replica, and each request has one record."""
+    ups = engines(tiny_model_dir, 2)
+    gw = gateway_for(ups, tmp_path, ["round_robin"], tiny_model_dir)
+    hung = ups[0].process.pid
+    try:
+        wait_healthy(gw, "round_robin", 2)
+        key = cli("keys", "create", "--tenant", "h", "--json", "--data-dir", str(tmp_path))["key"]
+
+        async def go() -> tuple[dict[str, Any], list[str], float]:
+            async with httpx.AsyncClient(timeout=120) as client:
+                stream = asyncio.create_task(
+                    stream_one(client, gw.base_url, key, "round_robin", 0, 900)
+                )  # turn 0: replica 0
+                await asyncio.sleep(0.5)
+                os.kill(hung, signal.SIGSTOP)
+                t0 = time.monotonic()
+                ids = []
+                for i in range(2):  # turns 1 and 2: replica 1, then replica 0 (hung)
+                    r = await client.post(
+                        gw.base_url + "/v1/completions",
+                        headers={"Authorization": f"Bearer {key}"},
+                        json={"model": "round_robin", "prompt": f"after {i}", "max_tokens": 3},
+                    )
+                    assert r.status_code == 200, r.text
+                    ids.append(r.headers["x-request-id"])
+                return await stream, ids, time.monotonic() - t0
+
+        streamed, ids, elapsed_s = asyncio.run(go())
+        assert streamed["error"] is not None and streamed["text_events"] > 0
+        assert elapsed_s < 8.0, elapsed_s  # ejected within seconds, not at a read timeout
+        recs = records_by_id(tmp_path, "h")
+        assert len(recs) == 3
+        assert recs[streamed["request_id"]]["outcome"] == "failed"
+        moved = recs[ids[1]]
+        assert moved["outcome"] == "completed" and moved["replica"] == "round_robin/1"
+        assert moved["failed_replicas"] == "round_robin/0" and moved["attempts"] == 2
+        rows = {r["name"]: r for r in replicas(gw, "round_robin")}
+        assert rows["round_robin/0"]["status"] == "ejected"
+        os.kill(hung, signal.SIGCONT)
+        wait_healthy(gw, "round_robin", 2)  # a good check brings it back
+    finally:
+        os.kill(hung, signal.SIGCONT)
+        gw.stop()
+        for u in ups:
+            u.stop()
