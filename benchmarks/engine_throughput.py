@@ -68,7 +68,14 @@ def poisson_workload(vocab: int, rate_per_s: float, seed: int = 0) -> list[Req]:
     return reqs
 
 
-async def one(client: httpx.AsyncClient, url: str, model: str, req: Req, t0: float) -> Result:
+async def one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    req: Req,
+    t0: float,
+    headers: dict[str, str] | None = None,
+) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
     body = {
         "model": model,
@@ -82,7 +89,7 @@ async def one(client: httpx.AsyncClient, url: str, model: str, req: Req, t0: flo
     start = time.perf_counter()
     res, last = Result(ok=False), None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
             if r.status_code != 200:
                 return res
             async for line in r.aiter_lines():

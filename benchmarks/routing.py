@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import Req, Result, Server, summarize
+from engine_throughput import Req, Server, one, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 INFERCLOUD = ROOT / ".venv" / "bin" / "infercloud"
@@ -48,48 +48,6 @@ def workload(
         out.append((tenant, Req(systems[tenant] + suffix, 16, t)))
         t += rng.expovariate(rate_per_s)
     return out
-
-
-async def one(client: httpx.AsyncClient, url: str, key: str, req: Req, t0: float) -> Result:
-    await asyncio.sleep(max(0.0, t0 + req.arrival_s - time.perf_counter()))
-    body = {
-        "model": "smollm2",
-        "prompt": req.prompt,
-        "max_tokens": req.output_len,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.perf_counter()
-    res, last = Result(ok=False), None
-    try:
-        async with client.stream(
-            "POST",
-            url + "/v1/completions",
-            json=body,
-            headers={"Authorization": f"Bearer {key}"},
-        ) as r:
-            if r.status_code != 200:
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if last is None:
-                        res.ttft_s = now - start
-                    else:
-                        res.itls_s.append(now - last)
-                    last = now
-        res.e2el_s = time.perf_counter() - start
-        res.ok = True
-    except httpx.HTTPError:
-        pass
-    return res
 
 
 def run_policy(policy: str, args: argparse.Namespace, reqs: list[tuple[int, Req]]) -> Any:
@@ -134,7 +92,17 @@ def run_policy(policy: str, args: argparse.Namespace, reqs: list[tuple[int, Req]
             async with httpx.AsyncClient(timeout=600) as client:
                 t0 = time.perf_counter()
                 results = await asyncio.gather(
-                    *(one(client, gateway.url, keys[t], r, t0) for t, r in reqs)
+                    *(
+                        one(
+                            client,
+                            gateway.url,
+                            "smollm2",
+                            r,
+                            t0,
+                            {"Authorization": f"Bearer {keys[t]}"},
+                        )
+                        for t, r in reqs
+                    )
                 )
                 return summarize(list(results), time.perf_counter() - t0)
 
