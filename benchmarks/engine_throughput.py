@@ -21,14 +21,16 @@ import json
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from infercloud.serving_report import RequestTiming as Result
+from infercloud.serving_report import serving_report
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_VENV = ROOT / ".bench-venvs" / "vllm"
@@ -39,15 +41,6 @@ class Req:
     prompt: list[int]
     output_len: int
     arrival_s: float
-
-
-@dataclass
-class Result:
-    ok: bool
-    ttft_s: float = 0.0
-    e2el_s: float = 0.0
-    itls_s: list[float] = field(default_factory=list)
-    output_tokens: int = 0
 
 
 def anchor_workload(vocab: int) -> list[Req]:
@@ -97,7 +90,11 @@ async def one(
                     continue
                 chunk = json.loads(line[6:])
                 if chunk.get("usage"):
-                    res.output_tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    res.output_tokens = usage["completion_tokens"]
+                    res.prompt_tokens = usage["prompt_tokens"]
+                    details = usage.get("prompt_tokens_details") or {}
+                    res.cached_tokens = details.get("cached_tokens") or 0
                 if chunk["choices"] and chunk["choices"][0]["text"]:
                     now = time.perf_counter()
                     if last is None:
@@ -113,31 +110,8 @@ async def one(
 
 
 def summarize(results: list[Result], duration_s: float) -> dict[str, float]:
-    ok = [r for r in results if r.ok]
-
-    def stats(name: str, values: list[float]) -> dict[str, float]:
-        ms = [v * 1e3 for v in values] or [0.0]
-        ms.sort()
-        return {
-            f"mean_{name}_ms": statistics.fmean(ms),
-            f"median_{name}_ms": statistics.median(ms),
-            f"p99_{name}_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))],
-        }
-
-    out_tokens = sum(r.output_tokens for r in ok)
-    tpots = [(r.e2el_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
-    return {
-        "duration": duration_s,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_output_tokens": out_tokens,
-        "output_throughput": out_tokens / duration_s,
-        "request_throughput": len(ok) / duration_s,
-        **stats("ttft", [r.ttft_s for r in ok]),
-        **stats("tpot", tpots),
-        **stats("itl", [x for r in ok for x in r.itls_s]),
-        **stats("e2el", [r.e2el_s for r in ok]),
-    }
+    """vLLM `bench serve` figures (the same report `infercloud simulate` prints)."""
+    return serving_report(results, duration_s)
 
 
 async def replay(url: str, model: str, reqs: list[Req]) -> dict[str, float]:

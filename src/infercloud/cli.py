@@ -1,6 +1,8 @@
 """The `infercloud` command: `serve` starts the platform (gateway and replicas), `engine` serves
 one replica, `keys` and `usage` manage tenants' keys and read usage records, `models` lists what
-can be served, `cache-replay` replays a trace through the prefix cache."""
+can be served, `cache-replay` replays a trace through the prefix cache, `simulate` runs a
+workload through a simulated fleet, `calibrate` fits the simulator's performance model to this
+machine."""
 
 from __future__ import annotations
 
@@ -18,14 +20,8 @@ from pathlib import Path
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
 from infercloud.gateway import cli as gateway_cli
 from infercloud.models.registry import DEFAULT_MODEL_NAME
-
-
-def _parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+from infercloud.sim import cli as sim_cli
+from infercloud.units import parse_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--kv-cache-bytes",
-        type=_parse_bytes,
+        type=parse_bytes,
         default=DEFAULT_KV_CACHE_BYTES,
         help="KV pool size, e.g. 1073741824 or 1GiB",
     )
@@ -67,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
     engine.add_argument(
         "--host-cache-bytes",
-        type=_parse_bytes,
+        type=parse_bytes,
         default=0,
         help="second tier for evicted prefix blocks, e.g. 4GiB (default 0: none)",
     )
@@ -101,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--decode-ms-per-token", type=float, default=20.0)
     replay.add_argument("--json", action="store_true", help="print JSON")
     gateway_cli.add_commands(sub)
+    sim_cli.add_commands(sub)
     return parser
 
 
@@ -122,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cache_replay(args)
     if args.command in ("serve", "keys", "usage"):
         return gateway_cli.run(args)
+    if args.command in ("simulate", "calibrate"):
+        return sim_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

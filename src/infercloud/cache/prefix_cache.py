@@ -82,6 +82,17 @@ class CacheEvent:
     A "stored" event with a parent hash continues that block's chain; the second tier's events
     carry none (their blocks may hang off a chain that is partly on the device)."""
 
+    def as_dict(self) -> dict[str, object]:
+        """The wire form (`/kv_events`, vLLM's event names), as `router.kv_index` reads it."""
+        return {
+            "type": "BlockStored" if self.kind == "stored" else "BlockRemoved",
+            "block_hashes": list(self.block_hashes),
+            "parent_block_hash": self.parent_hash,
+            "salt": self.salt,
+            "medium": self.medium,
+            "time_s": self.time_s,
+        }
+
 
 class PrefixCache:
     def __init__(

@@ -33,6 +33,7 @@ from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import ScheduledChunk, Scheduler
+from infercloud.engine.step_shape import StepShape
 from infercloud.models.registry import resolve_model
 
 KV_EVENTS_KEPT = 10_000
@@ -142,6 +143,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.last_step: StepShape | None = None
+        """The shape of the latest non-empty step (for `infercloud calibrate`)."""
 
     def _second_tier(self, config: EngineConfig, num_blocks: int) -> SecondTier | None:
         if config.host_cache_bytes <= 0:
@@ -285,9 +288,15 @@ class LLMEngine:
     # -- one step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        loaded_before = self.second_tier.num_loaded_blocks if self.second_tier else 0
         output = self.scheduler.schedule(self.clock())
         if output.is_empty:
             return []
+        self.last_step = StepShape(
+            tuple((c.start, c.num_tokens) for c in output.chunks),
+            sum(1 for c in output.chunks if c.samples),
+            (self.second_tier.num_loaded_blocks if self.second_tier else 0) - loaded_before,
+        )
         suppressed = self._suppressed_tokens(output.chunks)
         started_s = time.perf_counter()
         result = self.runner.execute(output, self.kv_cache, suppressed)

@@ -121,17 +121,7 @@ def create_app(
             "seq": seq,
             "reset": missed,
             "block_size": llm.config.block_size,
-            "events": [
-                {
-                    "type": "BlockStored" if e.kind == "stored" else "BlockRemoved",
-                    "block_hashes": list(e.block_hashes),
-                    "parent_block_hash": e.parent_hash,
-                    "salt": e.salt,
-                    "medium": e.medium,
-                    "time_s": e.time_s,
-                }
-                for e in events
-            ],
+            "events": [e.as_dict() for e in events],
         }
 
     @app.get("/v1/models")

@@ -1,0 +1,92 @@
+"""The performance model, the catalogs, and the fit of efficiency factors."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from infercloud.engine.step_shape import StepShape
+from infercloud.sim.hardware import HardwareCatalog
+from infercloud.sim.model_specs import load_model_catalog, model_spec
+from infercloud.sim.perf_model import Efficiency, PerfModel, fit_efficiency
+
+REQUIRED_HARDWARE = ("h100-sxm", "h200", "a100-80gb", "l40s", "l4", "mi300x", "b200")
+
+
+def test_model_catalog_parameter_counts_match_the_published_sizes() -> None:
+    catalog = load_model_catalog()
+    for name in ("smollm2-135m", "llama-3-8b", "llama-3-70b", "qwen3-32b"):
+        assert name in catalog
+    assert model_spec("SmolLM2-135M").num_params == pytest.approx(134.5e6, rel=0.01)
+    assert model_spec("llama-3-8b").num_params == pytest.approx(8.03e9, rel=0.01)
+    assert model_spec("llama-3-70b").num_params == pytest.approx(70.6e9, rel=0.01)
+    assert model_spec("qwen3-32b").num_params == pytest.approx(32.8e9, rel=0.02)
+    # Llama-3-8B: 32 layers x 8 KV heads x 128 x 2 (k, v) = 65536 elements per token
+    assert model_spec("llama-3-8b").kv_elements_per_token() == 65536
+
+
+def test_hardware_catalog_has_sourced_specs_and_prices(tmp_path: object) -> None:
+    catalog = HardwareCatalog.load()
+    for name in REQUIRED_HARDWARE:
+        acc = catalog[name]
+        assert acc.peak_tflops > 0 and acc.bandwidth_gbps > 0 and acc.memory_gb > 0
+        assert acc.source
+        assert acc.prices and all(p.source and p.date for p in acc.prices)
+    assert catalog["h100-sxm"].price("lambda").usd_per_hour > 0  # type: ignore[union-attr]
+    with pytest.raises(KeyError, match="no price"):
+        catalog["h100-sxm"].price("nobody")
+    with pytest.raises(KeyError, match="unknown accelerator"):
+        catalog["tpu-v9"]
+
+
+def _perf(**kw: object) -> PerfModel:
+    acc = HardwareCatalog.load()["h100-sxm"]
+    return PerfModel(model_spec("llama-3-8b"), acc, **kw)  # type: ignore[arg-type]
+
+
+def test_roofline_regimes_and_tensor_parallel() -> None:
+    perf = _perf(efficiency=Efficiency(overhead_s=0.0, per_seq_s=0.0))
+    decode = StepShape(((1000, 1),), 1)
+    prefill = StepShape(((0, 4096),), 1)
+    w = perf.work(decode)
+    assert w.memory_bytes > perf.weight_bytes
+    # decode: bandwidth-bound, prefill: compute-bound
+    e = perf.efficiency
+    peak = 989e12
+    assert perf.step_s(decode) == pytest.approx(w.memory_bytes / (3.35e12 * e.bandwidth))
+    p = perf.work(prefill)
+    expected = p.linear_flops / (peak * e.compute) + p.attention_flops / (peak * e.attention)
+    assert perf.step_s(prefill) == pytest.approx(expected)
+    # batching decodes is nearly free until compute catches up
+    batch = StepShape(tuple((1000, 1) for _ in range(32)), 32)
+    assert perf.step_s(batch) < 2 * perf.step_s(decode)
+    # two devices: half the time, plus the all-reduces
+    tp2 = _perf(efficiency=perf.efficiency, tensor_parallel=2)
+    assert tp2.step_s(prefill) < perf.step_s(prefill)
+    assert tp2.work(prefill).comm_bytes > 0
+
+
+def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
+    truth = Efficiency(0.35, 0.15, 0.55, 0.004, 3e-5, source="truth")
+    perf = _perf(efficiency=truth)
+    rng = random.Random(0)
+    shapes = []
+    for _ in range(60):
+        if rng.random() < 0.5:
+            shapes.append(StepShape(((0, rng.randint(16, 4096)),), 1))
+        else:
+            b = rng.randint(1, 128)
+            shapes.append(StepShape(tuple((rng.randint(16, 4000), 1) for _ in range(b)), b))
+    samples = [(s, perf.step_s(s)) for s in shapes]
+    start = _perf()  # defaults: the fit must move away from them
+    fitted, error = fit_efficiency(start, samples, "test")
+    assert error < 0.01
+    assert fitted.compute == pytest.approx(truth.compute, rel=0.05)
+    assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=0.05)
+    assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=0.1)
+    assert fitted.source == "test"
+    with pytest.raises(ValueError, match="at least"):
+        fit_efficiency(start, samples[:3], "test")
+    assert replace(fitted, source="x").source == "x"
