@@ -14,10 +14,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
+from infercloud.engine.step_shape import StepShape
 from infercloud.gateway import cli as gateway_cli
 from infercloud.models.registry import DEFAULT_MODEL_NAME
 from infercloud.sim import cli as sim_cli
@@ -81,6 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="torch CPU threads (default: one per core)"
     )
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument(
+        "--step-log",
+        type=Path,
+        default=None,
+        help="append each step's shape and period as JSON lines (infercloud calibrate)",
+    )
     engine.add_argument("--log-level", default="info")
 
     models = sub.add_parser("models", help="list the models this installation can serve")
@@ -160,6 +167,21 @@ def _exit_with_parent(pid: int) -> None:
         time.sleep(0.5)
 
 
+def _step_logger(path: Path) -> Callable[[StepShape, float], None]:
+    log = path.open("a", buffering=1)
+
+    def write(shape: StepShape, period_s: float) -> None:
+        row = {
+            "chunks": shape.chunks,
+            "num_sampled": shape.num_sampled,
+            "host_blocks_loaded": shape.host_blocks_loaded,
+            "seconds": period_s,
+        }
+        log.write(json.dumps(row) + "\n")
+
+    return write
+
+
 def _serve_engine(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -192,6 +214,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     )
     app, engine = build_engine_app(config)
     llm = engine.engine
+    if args.step_log is not None:
+        engine.step_listeners.append(_step_logger(args.step_log))
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens) on http://{args.host}:{args.port}",

@@ -51,11 +51,12 @@ def test_roofline_regimes_and_tensor_parallel() -> None:
     decode = StepShape(((1000, 1),), 1)
     prefill = StepShape(((0, 4096),), 1)
     w = perf.work(decode)
-    assert w.memory_bytes > perf.weight_bytes
-    # decode: bandwidth-bound, prefill: compute-bound
+    assert w.weight_bytes == perf.weight_bytes and w.kv_bytes > 0
+    # decode: bandwidth-bound, prefill: compute-bound (the default overlap is the roofline's)
     e = perf.efficiency
     peak = 989e12
-    assert perf.step_s(decode) == pytest.approx(w.memory_bytes / (3.35e12 * e.bandwidth))
+    memory_s = w.weight_bytes / (3.35e12 * e.bandwidth) + w.kv_bytes / (3.35e12 * e.kv_bandwidth)
+    assert perf.step_s(decode) == pytest.approx(memory_s)
     p = perf.work(prefill)
     expected = p.linear_flops / (peak * e.compute) + p.attention_flops / (peak * e.attention)
     assert perf.step_s(prefill) == pytest.approx(expected)
@@ -69,7 +70,16 @@ def test_roofline_regimes_and_tensor_parallel() -> None:
 
 
 def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
-    truth = Efficiency(0.35, 0.15, 0.55, 0.004, 3e-5, source="truth")
+    truth = Efficiency(
+        compute=0.35,
+        attention=0.15,
+        bandwidth=0.55,
+        kv_bandwidth=0.3,
+        overlap=0.5,
+        overhead_s=0.004,
+        per_seq_s=3e-5,
+        source="truth",
+    )
     perf = _perf(efficiency=truth)
     rng = random.Random(0)
     shapes = []

@@ -24,12 +24,14 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from infercloud.engine.llm_engine import EngineStats, LLMEngine
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.sampling_params import SamplingParams
+from infercloud.engine.step_shape import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,10 @@ class AsyncEngine:
         self.engine = engine
         self.output_listeners: list[Callable[[RequestOutput], None]] = []
         """Called on the engine thread with every output (metrics, ledgers)."""
+        self.step_listeners: list[Callable[[StepShape, float], None]] = []
+        """Called on the engine thread with each step's shape and its period: seconds from its
+        start to the next step's start (or, when the engine then goes idle, to the end of its
+        turn), so that serving work between steps counts (`infercloud calibrate`)."""
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[
             str, tuple[asyncio.Queue[RequestOutput | BaseException], asyncio.AbstractEventLoop]
@@ -156,13 +162,21 @@ class AsyncEngine:
     def run(self) -> None:
         """Run the step loop on the calling thread until `shutdown`."""
         self._running.set()
+        previous: tuple[StepShape, float] | None = None
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
+                if block and previous is not None:
+                    self._log_step(previous, time.perf_counter())
+                    previous = None
                 if not self._drain(block):
                     return
                 if not self.engine.has_unfinished_requests():
                     continue
+                started_s = time.perf_counter()
+                if previous is not None:
+                    self._log_step(previous, started_s)
+                    previous = None
                 try:
                     outputs = self.engine.step()
                 except Exception as exc:
@@ -172,12 +186,20 @@ class AsyncEngine:
                 for out in outputs:
                     self._deliver(out)
                 self._stats = self.engine.stats()
+                shape = self.engine.last_step
+                if self.step_listeners and shape is not None:
+                    previous = (shape, started_s)
         except BaseException as exc:  # pragma: no cover - the loop must not die silently
             self._dead = exc
             self._fail_all(exc)
             raise
         finally:
             self._done.set()
+
+    def _log_step(self, step: tuple[StepShape, float], end_s: float) -> None:
+        shape, started_s = step
+        for listener in self.step_listeners:
+            listener(shape, end_s - started_s)
 
     def _drain(self, block: bool) -> bool:
         """Apply pending commands; False when asked to stop."""

@@ -144,7 +144,7 @@ class LLMEngine:
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.last_step: StepShape | None = None
-        """The shape of the latest non-empty step (for `infercloud calibrate`)."""
+        """The shape of the latest step (None if it scheduled nothing), for calibration."""
 
     def _second_tier(self, config: EngineConfig, num_blocks: int) -> SecondTier | None:
         if config.host_cache_bytes <= 0:
@@ -289,6 +289,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         loaded_before = self.second_tier.num_loaded_blocks if self.second_tier else 0
+        self.last_step = None
         output = self.scheduler.schedule(self.clock())
         if output.is_empty:
             return []

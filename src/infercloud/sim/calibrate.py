@@ -3,9 +3,12 @@
 Three measurements, then a fit:
   1. peak matrix-multiply TFLOP/s in the engine's dtype (square matmuls, best of several);
   2. memory read bandwidth (a sum over a buffer far larger than the caches, best of several);
-  3. the builtin engine's own steps: prefill sweeps (one prompt of 16 .. 2048 tokens, chunked as
-     the scheduler chunks them) and decode sweeps (batches of 1 .. 64 requests at contexts of
-     64 .. 1536 tokens), each step's wall time around `LLMEngine.step()` with its `StepShape`.
+  3. the builtin engine's own steps, served as `infercloud engine` serves them (its default
+     scheduler, prefix cache on, requests streamed over HTTP) with `--step-log`: prefill sweeps
+     (one prompt of 16 .. 2048 tokens, chunked as the scheduler chunks them) and decode sweeps
+     (batches of 1 .. 64 requests at contexts of 64 .. 1536 tokens). Each step is logged with
+     its `StepShape` and its period (start to the next step's start), so the serving work
+     between and during steps (streaming the outputs, on the same cores) is part of it.
 The efficiency factors of `sim.perf_model` are then fitted to the measured steps, and the CPU's
 hardware entry ("local-cpu": the measured peak and bandwidth, the fitted factors, the machine
 and date) is written to the calibration file that the hardware catalog reads.
@@ -15,6 +18,7 @@ This module measures (it reads the clock and runs torch); everything it feeds is
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
@@ -85,38 +89,142 @@ def measure_bandwidth_gbps(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
     return best
 
 
-def _run(engine: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> list[Any]:
-    from infercloud.engine.sampling_params import SamplingParams
+async def _stream(client: Any, url: str, model: str, prompt: list[int], max_tokens: int) -> None:
+    """One streamed completion, read to its end."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for _ in response.aiter_lines():
+            pass
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", p, params)
-    samples = []
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        engine.step()
-        elapsed = time.perf_counter() - t
-        if engine.last_step is not None:
-            samples.append((engine.last_step, elapsed))
-    return samples
+
+async def _first_token(client: Any, url: str, model: str, prompt: list[int]) -> None:
+    await _stream(client, url, model, prompt, 1)
 
 
-def measure_steps(engine: Any, vocab: int, seed: int = 0) -> list[tuple[StepShape, float]]:
+async def _drive(
+    url: str, model: str, vocab: int, max_pool_tokens: int, max_len: int, seed: int
+) -> None:
+    """Prefill sweeps (one prompt at a time), then decode sweeps: a batch of requests that share
+    their context but for the last 16 tokens; the shared part is computed once (sent alone
+    first, so the prefix cache holds it), then the batch decodes 12 tokens together, each
+    request attending to its whole context every step."""
+    import asyncio
+
+    import httpx
+
     rng = random.Random(seed)
 
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
-    _run(engine, [prompt(64) for _ in range(4)], 8, "warmup")
-    samples: list[tuple[StepShape, float]] = []
-    for n in PREFILL_LENGTHS:
-        samples += _run(engine, [prompt(n)], 2, f"prefill{n}")
-    for ctx in DECODE_CONTEXTS:
-        for batch in DECODE_BATCHES:
-            if batch * (ctx + 16) > engine.max_tokens_in_pool:
-                continue
-            samples += _run(engine, [prompt(ctx) for _ in range(batch)], 12, f"d{ctx}x{batch}")
-    return samples
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        await asyncio.gather(*(_stream(client, url, model, prompt(64), 8) for _ in range(4)))
+        for n in PREFILL_LENGTHS:
+            if n + 2 <= max_len:
+                await _stream(client, url, model, prompt(n), 2)
+        for ctx in DECODE_CONTEXTS:
+            for batch in DECODE_BATCHES:
+                if batch * (ctx + 16) > max_pool_tokens or ctx + 12 > max_len:
+                    continue
+                shared = prompt(ctx - 16)
+                await _first_token(client, url, model, shared)
+                await asyncio.gather(
+                    *(_stream(client, url, model, shared + prompt(16), 12) for _ in range(batch))
+                )
+
+
+def measure_steps(
+    model: str,
+    dtype: str,
+    threads: int | None,
+    kv_cache_bytes: int,
+    vocab: int,
+    max_pool_tokens: int,
+    max_len: int,
+    seed: int = 0,
+    timeout_s: float = 300.0,
+) -> list[tuple[StepShape, float]]:
+    """Serve the model with `infercloud engine --step-log`, drive the sweeps over HTTP, and
+    return the logged (shape, period) of every step."""
+    import asyncio
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="infercloud-calibrate-") as tmp:
+        log = Path(tmp) / "steps.jsonl"
+        cmd = [
+            sys.executable,
+            "-m",
+            "infercloud",
+            "engine",
+            "--model",
+            model,
+            "--served-model-name",
+            "calibration",
+            "--dtype",
+            dtype,
+            "--kv-cache-bytes",
+            str(kv_cache_bytes),
+            "--port",
+            str(port),
+            "--step-log",
+            str(log),
+            "--log-level",
+            "warning",
+        ]
+        if threads is not None:
+            cmd += ["--threads", str(threads)]
+        server_log = (Path(tmp) / "engine.log").open("w")
+        proc = subprocess.Popen(cmd, stdout=server_log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        "the engine exited: " + (Path(tmp) / "engine.log").read_text()[-2000:]
+                    )
+                try:
+                    if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the engine did not start")
+                time.sleep(0.5)
+            asyncio.run(_drive(url, "calibration", vocab, max_pool_tokens, max_len, seed))
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+            server_log.close()
+        rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    warmup = 4
+    return [
+        (
+            StepShape(
+                tuple((int(a), int(b)) for a, b in r["chunks"]),
+                int(r["num_sampled"]),
+                int(r["host_blocks_loaded"]),
+            ),
+            float(r["seconds"]),
+        )
+        for r in rows[warmup:]
+    ]
 
 
 def calibrate(
@@ -126,34 +234,43 @@ def calibrate(
     kv_cache_bytes: int = 1 << 30,
     usd_per_hour: float | None = None,
     out: Path | None = None,
+    samples_out: Path | None = None,
 ) -> dict[str, Any]:
     import torch
 
-    from infercloud.engine.config import EngineConfig
-    from infercloud.engine.llm_engine import LLMEngine
-    from infercloud.engine.model_runner import resolve_dtype
+    from infercloud.engine.model_config import ModelConfig
+    from infercloud.engine.model_runner import num_kv_blocks_for_bytes, resolve_dtype
+    from infercloud.models.registry import resolve_model
     from infercloud.sim.hardware import calibration_path
 
-    config = EngineConfig(
-        model=model,
-        dtype=dtype,
-        kv_cache_bytes=kv_cache_bytes,
-        num_threads=threads,
-        enable_prefix_caching=False,
-    )
-    engine = LLMEngine(config)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    name, folder = resolve_model(model)
+    config = ModelConfig.from_folder(folder)
     torch_dtype = resolve_dtype(dtype, torch.device("cpu"))
     dtype_bytes = torch.empty((), dtype=torch_dtype).element_size()
     peak = measure_peak_tflops(torch_dtype)
     bandwidth = measure_bandwidth_gbps()
-    samples = measure_steps(engine, engine.model_config.vocab_size)
-    spec = ModelSpec.from_config(engine.model_name, engine.model_config, engine.max_model_len)
+    block_size = 16
+    pool_tokens = block_size * num_kv_blocks_for_bytes(
+        config, kv_cache_bytes, block_size, torch_dtype
+    )
+    max_len = config.max_position_embeddings
+    samples = measure_steps(
+        model, dtype, threads, kv_cache_bytes, config.vocab_size, pool_tokens, max_len
+    )
+    if samples_out is not None:
+        rows = [
+            {"chunks": s.chunks, "num_sampled": s.num_sampled, "seconds": t} for s, t in samples
+        ]
+        samples_out.write_text(json.dumps(rows))
+    spec = ModelSpec.from_config(name, config, config.max_position_embeddings)
     today = date.today().isoformat()
     source = f"measured by infercloud calibrate on {cpu_name()}, {os.cpu_count()} cores, {today}"
     device = Accelerator(LOCAL, peak, memory_gb(), bandwidth, bandwidth, bandwidth, source)
-    perf = PerfModel(spec, device, dtype_bytes=dtype_bytes, block_size=config.block_size)
+    perf = PerfModel(spec, device, dtype_bytes=dtype_bytes, block_size=block_size)
     fit_source = (
-        f"fitted to {len(samples)} steps of {engine.model_name} ({torch_dtype}, "
+        f"fitted to {len(samples)} steps of {name} ({torch_dtype}, "
         f"threads={torch.get_num_threads()}) on {today}"
     )
     efficiency, error = fit_efficiency(perf, samples, fit_source)
@@ -167,7 +284,7 @@ def calibrate(
         "source": source,
         "efficiency": asdict(efficiency),
         "calibration": {
-            "model": engine.model_name,
+            "model": name,
             "dtype": str(torch_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
             "num_steps": len(samples),

@@ -49,6 +49,7 @@ def add_commands(sub: Any) -> None:
     cal.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
     cal.add_argument("--usd-per-hour", type=float, default=None, help="price of this machine")
     cal.add_argument("--out", type=Path, default=None, help="default: the calibration file")
+    cal.add_argument("--samples", type=Path, default=None, help="also write the measured steps")
     cal.add_argument("--json", action="store_true")
 
 
@@ -141,6 +142,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         args.kv_cache_bytes,
         args.usd_per_hour,
         args.out,
+        args.samples,
     )
     if args.json:
         print(json.dumps(result, indent=2))

@@ -3,15 +3,18 @@
 A step (`StepShape`) does three kinds of work:
 
     compute_s = linear_flops / (peak x e_compute) + attention_flops / (peak x e_attention)
-    memory_s  = (weight bytes + KV bytes read + KV bytes written) / (bandwidth x e_bandwidth)
-    step_s    = overhead_s + per_seq_s x seqs + max(compute_s, memory_s) + comm_s + host_load_s
+    memory_s  = weight bytes / (bandwidth x e_bandwidth) + KV bytes / (bandwidth x e_kv)
+    step_s    = overhead_s + per_seq_s x seqs + max(compute_s, memory_s)
+                + (1 - overlap) x min(compute_s, memory_s) + comm_s + host_load_s
 
   - linear_flops = 2 x (weights a token meets in all layers) x tokens + 2 x hidden x vocab x
     sampled rows (the LM head runs only where a token is sampled);
   - attention_flops = 4 x layers x heads x head_dim x (query, key) pairs;
-  - weight bytes: every layer and the LM head are read once per step, whatever the batch; KV
-    bytes read: each chunk reads its whole context once (paged attention); written: one entry
-    per new token;
+  - weight bytes: every layer and the LM head are read once per step, whatever the batch
+    (streamed: near the bandwidth); KV bytes: each chunk reads its whole context once and
+    writes one entry per new token (paged: gathers of blocks, its own efficiency e_kv);
+  - overlap: 1 where compute and memory traffic overlap (a GPU: the pure roofline, the
+    default), 0 where they add up (what a CPU engine that gathers KV before attending does);
   - comm_s (tensor parallel over `tp` devices): two all-reduces of the activations per layer,
     2 (tp - 1) / tp x tokens x hidden x dtype bytes each, over the interconnect;
   - host_load_s: blocks copied back from the second tier over the host link.
@@ -55,7 +58,11 @@ class Efficiency:
     attention: float = 0.4
     """Fraction of peak FLOP/s that attention reaches."""
     bandwidth: float = 0.8
-    """Fraction of memory bandwidth reached."""
+    """Fraction of memory bandwidth reached reading weights."""
+    kv_bandwidth: float = 0.5
+    """Fraction of memory bandwidth reached reading and writing paged KV blocks."""
+    overlap: float = 1.0
+    """How far compute and memory time overlap: 1 the roofline's max(), 0 their sum."""
     overhead_s: float = 0.003
     """Fixed cost of a step (scheduling, kernel launches, sampling, host work)."""
     per_seq_s: float = 2e-5
@@ -67,7 +74,8 @@ class Efficiency:
 class StepWork:
     linear_flops: float
     attention_flops: float
-    memory_bytes: float
+    weight_bytes: float
+    kv_bytes: float
     comm_bytes: float
     host_bytes: float
     num_seqs: int
@@ -105,7 +113,7 @@ class PerfModel:
             per_reduce = 2 * (self.tp - 1) / self.tp * tokens * m.hidden_size * self.dtype_bytes
             comm = 2 * m.num_layers * per_reduce
         host = shape.host_blocks_loaded * self.block_size * self.kv_bytes_per_token
-        return StepWork(linear, attention, self.weight_bytes + kv, comm, host, shape.num_seqs)
+        return StepWork(linear, attention, self.weight_bytes, kv, comm, host, shape.num_seqs)
 
     def time_of(self, work: StepWork, eff: Efficiency | None = None) -> float:
         e = eff or self.efficiency
@@ -114,11 +122,15 @@ class PerfModel:
         compute_s = work.linear_flops / (peak * e.compute) + work.attention_flops / (
             peak * e.attention
         )
-        memory_s = work.memory_bytes / (d.bandwidth_gbps * 1e9 * self.tp * e.bandwidth)
+        bandwidth = d.bandwidth_gbps * 1e9 * self.tp
+        memory_s = work.weight_bytes / (bandwidth * e.bandwidth) + work.kv_bytes / (
+            bandwidth * e.kv_bandwidth
+        )
         comm_s = work.comm_bytes / (d.interconnect_gbps * 1e9) if work.comm_bytes else 0.0
         host_s = work.host_bytes / (d.host_link_gbps * 1e9) if work.host_bytes else 0.0
         fixed_s = e.overhead_s + e.per_seq_s * work.num_seqs
-        return fixed_s + max(compute_s, memory_s) + comm_s + host_s
+        roof_s = max(compute_s, memory_s) + (1.0 - e.overlap) * min(compute_s, memory_s)
+        return fixed_s + roof_s + comm_s + host_s
 
     def step_s(self, shape: StepShape) -> float:
         return self.time_of(self.work(shape))
@@ -131,7 +143,15 @@ class PerfModel:
         return num_tokens * self.kv_bytes_per_token / (link_gbps * 1e9)
 
 
-_FIELDS = ("compute", "attention", "bandwidth", "overhead_s", "per_seq_s")
+_FIELDS = (
+    "compute",
+    "attention",
+    "bandwidth",
+    "kv_bandwidth",
+    "overlap",
+    "overhead_s",
+    "per_seq_s",
+)
 
 
 def fit_efficiency(
@@ -161,9 +181,10 @@ def fit_efficiency(
         return predicted / measured - 1.0
 
     x0 = np.array([getattr(start, f) for f in _FIELDS], dtype=float)
-    x0[3] = max(x0[3], float(np.min(measured)) / 2)
-    lower = np.array([1e-4, 1e-4, 1e-4, 0.0, 0.0])
-    upper = np.array([2.0, 2.0, 2.0, math.inf, math.inf])
+    x0[5] = max(x0[5], float(np.min(measured)) / 2)
+    x0[4] = 0.5
+    lower = np.array([1e-4, 1e-4, 1e-4, 1e-4, 0.0, 0.0, 0.0])
+    upper = np.array([2.0, 2.0, 2.0, 2.0, 1.0, math.inf, math.inf])
     x0 = np.clip(x0, lower + 1e-9, np.where(np.isinf(upper), x0 + 1.0, upper))
     fit = least_squares(residuals, x0, bounds=(lower, upper), x_scale="jac")
     eff = effs(fit.x)

@@ -1,0 +1,158 @@
+"""Fidelity of the simulator on hardware we have: the same workload on the real builtin engine
+and in the simulator, after `infercloud calibrate`.
+
+1. `infercloud calibrate` measures this CPU (peak matmul TFLOP/s, memory bandwidth) and the
+   builtin engine's step times, fits the performance model's efficiency factors, and writes the
+   "local-cpu" hardware entry (here to benchmarks/results/calibration.yaml).
+2. The real run: `infercloud engine` (SmolLM2-135M-Instruct, dtype auto, all cores) over HTTP,
+   streamed, each request sent at its arrival time (engine_throughput.one).
+3. The simulated run: one local-cpu replica with the engine's scheduler settings and KV pool,
+   the same requests (same token ids from the same workload generator).
+Then mean and p99 TTFT, mean TPOT and throughput side by side, with the relative error of the
+simulation (goal: within 15%).
+
+    .venv/bin/python benchmarks/sim_fidelity.py [--skip-calibrate] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine_throughput import ROOT, Req, Server, one, summarize
+from infercloud.models.registry import DEFAULT_MODEL_NAME
+from infercloud.sim.fleet import Fleet
+from infercloud.sim.hardware import HardwareCatalog
+from infercloud.sim.simulator import Simulation
+from infercloud.sim.workload import SimRequest, TokenSource, poisson
+
+COMPARED = (
+    "mean_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "output_throughput",
+    "request_throughput",
+)
+CALIBRATION = ROOT / "benchmarks/results/calibration.yaml"
+SAMPLES = ROOT / "benchmarks/results/calibration_steps.json"
+
+
+def workloads(vocab: int) -> dict[str, list[SimRequest]]:
+    return {
+        "poisson 0.5 req/s, prompts 64-512, outputs 32-256": poisson(
+            0.5, 48, (64, 512), (32, 256), seed=11
+        ),
+        "poisson 2 req/s, prompts 64-1024, outputs 16-128": poisson(
+            2.0, 64, (64, 1024), (16, 128), seed=12
+        ),
+    }
+
+
+async def real_run(url: str, model: str, reqs: list[SimRequest], vocab: int) -> dict[str, float]:
+    tokens = TokenSource(vocab)
+    http = [Req(tokens.prompt(r), r.output_len, r.arrival_s) for r in reqs]
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        await one(client, url, model, Req(http[0].prompt[:16], 4, 0.0), time.perf_counter())
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(client, url, model, r, t0) for r in http))
+        return summarize(list(results), time.perf_counter() - t0)
+
+
+def sim_run(reqs: list[SimRequest], calibration: Path, kv_cache: str) -> dict[str, Any]:
+    fleet = Fleet.model_validate(
+        {
+            "model": "smollm2-135m",
+            "dtype": "bfloat16",
+            "pools": [{"hardware": "local-cpu", "kv_cache_bytes": kv_cache}],
+            # the builtin engine's defaults (`infercloud engine`)
+            "scheduler": {
+                "max_num_batched_tokens": 512,
+                "max_num_seqs": 64,
+                "long_prefill_token_threshold": 256,
+            },
+        }
+    )
+    return Simulation(fleet, reqs, HardwareCatalog.load(calibration)).run()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--skip-calibrate", action="store_true")
+    parser.add_argument("--calibration", type=Path, default=CALIBRATION)
+    parser.add_argument("--kv-cache", default="512MiB")
+    parser.add_argument("--port", type=int, default=8471)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/sim_fidelity.json")
+    args = parser.parse_args()
+    exe = [sys.executable, "-m", "infercloud"]
+    if not args.skip_calibrate:
+        out = subprocess.run(
+            [
+                *exe,
+                "calibrate",
+                "--out",
+                str(args.calibration),
+                "--samples",
+                str(SAMPLES),
+                "--json",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        calibration = json.loads(out.stdout)
+        print("calibration:", json.dumps(calibration["efficiency"]), calibration["calibration"])
+    vocab = 49152
+    catalog = HardwareCatalog.load(args.calibration)
+    print("local-cpu:", catalog["local-cpu"])
+    server = Server(
+        [
+            *exe,
+            "engine",
+            "--model",
+            DEFAULT_MODEL_NAME,
+            "--dtype",
+            "auto",
+            "--kv-cache-bytes",
+            args.kv_cache,
+            "--port",
+            str(args.port),
+            "--log-level",
+            "warning",
+        ],
+        args.port,
+        {},
+        Path("/tmp/sim_fidelity_engine.log"),
+        300,
+    )
+    rows: dict[str, Any] = {}
+    try:
+        for name, reqs in workloads(vocab).items():
+            real = asyncio.run(real_run(server.url, DEFAULT_MODEL_NAME, reqs, vocab))
+            sim = sim_run(reqs, args.calibration, args.kv_cache)
+            errors = {k: sim[k] / real[k] - 1 if real[k] else None for k in COMPARED}
+            rows[name] = {"real": real, "sim": sim, "error": errors}
+            print(f"\n{name}")
+            for k in COMPARED:
+                err = errors[k]
+                shown = f"{err:+.1%}" if err is not None else "n/a"
+                print(f"  {k:<22} real {real[k]:>10.2f}  sim {sim[k]:>10.2f}  error {shown}")
+    finally:
+        server.stop()
+    args.out.write_text(
+        json.dumps(
+            {"calibration": catalog["local-cpu"].source, "workloads": rows}, indent=1, default=str
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
