@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from infercloud.engine.model_config import ModelConfig
 from infercloud.sim.calibrate import calibrate
 from infercloud.sim.fleet import Fleet
@@ -13,6 +15,7 @@ from infercloud.sim.simulator import Simulation
 from infercloud.sim.workload import poisson
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_fitted_local_cpu_entry_the_simulator_uses(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:

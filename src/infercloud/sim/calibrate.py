@@ -6,7 +6,8 @@ Three measurements, then a fit:
   3. the builtin engine's own steps, served as `infercloud engine` serves them (its default
      scheduler, prefix cache on, requests streamed over HTTP) with `--step-log`: prefill sweeps
      (one prompt of 16 .. 2048 tokens, chunked as the scheduler chunks them) and decode sweeps
-     (batches of 1 .. 64 requests at contexts of 64 .. 1536 tokens). Each step is logged with
+     (batches of 1 .. 64 requests at contexts of 64 .. 1536 tokens), then mixed steps (long
+     prompts chunked in beside a decoding batch). Each step is logged with
      its `StepShape` and its period (start to the next step's start), so the serving work
      between and during steps (streaming the outputs, on the same cores) is part of it.
 The efficiency factors of `sim.perf_model` are then fitted to the measured steps, and the CPU's
@@ -39,6 +40,7 @@ LOCAL = "local-cpu"
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 DECODE_CONTEXTS = (64, 512, 1536)
+MIXED_BATCHES = (4, 16, 48)
 
 
 def cpu_name() -> str:
@@ -139,6 +141,20 @@ async def _drive(
                 await asyncio.gather(
                     *(_stream(client, url, model, shared + prompt(16), 12) for _ in range(batch))
                 )
+        # mixed steps: long prompts arriving while a batch decodes (chunked prefill beside it)
+        for batch in MIXED_BATCHES:
+            ctx = 512
+            if batch * (ctx + 48) + 2 * 1024 > max_pool_tokens or max_len < 1024 + 2:
+                continue
+            shared = prompt(ctx - 16)
+            await _first_token(client, url, model, shared)
+            decoders = [
+                asyncio.ensure_future(_stream(client, url, model, shared + prompt(16), 40))
+                for _ in range(batch)
+            ]
+            await asyncio.sleep(0.5)
+            await asyncio.gather(*(_stream(client, url, model, prompt(1024), 2) for _ in range(2)))
+            await asyncio.gather(*decoders)
 
 
 def measure_steps(
