@@ -38,7 +38,7 @@ from infercloud.sim.perf_model import PerfModel, fit_efficiency
 
 LOCAL = "local-cpu"
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
 DECODE_CONTEXTS = (64, 512, 1536)
 MIXED_BATCHES = (4, 16, 48)
 
@@ -247,7 +247,7 @@ def calibrate(
     model: str,
     dtype: str = "auto",
     threads: int | None = None,
-    kv_cache_bytes: int = 1 << 30,
+    kv_cache_bytes: int = 2 << 30,
     usd_per_hour: float | None = None,
     out: Path | None = None,
     samples_out: Path | None = None,

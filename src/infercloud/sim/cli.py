@@ -46,7 +46,7 @@ def add_commands(sub: Any) -> None:
     cal.add_argument("--model", default=None, help="model name or folder (default: embedded)")
     cal.add_argument("--dtype", default="auto")
     cal.add_argument("--threads", type=int, default=None)
-    cal.add_argument("--kv-cache-bytes", type=parse_bytes, default=1 << 30)
+    cal.add_argument("--kv-cache-bytes", type=parse_bytes, default=2 << 30)
     cal.add_argument("--usd-per-hour", type=float, default=None, help="price of this machine")
     cal.add_argument("--out", type=Path, default=None, help="default: the calibration file")
     cal.add_argument("--samples", type=Path, default=None, help="also write the measured steps")
