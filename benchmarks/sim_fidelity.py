@@ -21,13 +21,10 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from engine_throughput import ROOT, Req, Server, one, summarize
+from engine_throughput import ROOT, Req, Server, replay
 from infercloud.models.registry import DEFAULT_MODEL_NAME
 from infercloud.sim.fleet import Fleet
 from infercloud.sim.hardware import HardwareCatalog
@@ -58,13 +55,9 @@ def workloads(vocab: int) -> dict[str, list[SimRequest]]:
 
 async def real_run(url: str, model: str, reqs: list[SimRequest], vocab: int) -> dict[str, float]:
     tokens = TokenSource(vocab)
-    http = [Req(tokens.prompt(r), r.output_len, r.arrival_s) for r in reqs]
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
-        await one(client, url, model, Req(http[0].prompt[:16], 4, 0.0), time.perf_counter())
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(client, url, model, r, t0) for r in http))
-        return summarize(list(results), time.perf_counter() - t0)
+    return await replay(
+        url, model, [Req(tokens.prompt(r), r.output_len, r.arrival_s) for r in reqs]
+    )
 
 
 def sim_run(reqs: list[SimRequest], calibration: Path, kv_cache: str) -> dict[str, Any]:
