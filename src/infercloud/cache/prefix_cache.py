@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ import numpy as np
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import EXTENSION, FRESH, BlockStats, EvictionPolicy
+
+EVICTED_HASHES_KEPT = 1 << 16
 
 
 def salt_hash(salt: str) -> int:
@@ -113,6 +116,9 @@ class PrefixCache:
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
+        self.recently_evicted: OrderedDict[int, None] = OrderedDict()
+        """Hashes of the latest evicted blocks (at most `EVICTED_HASHES_KEPT`), so that the
+        ledger can tell context that is computed again from context never seen."""
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -137,6 +143,23 @@ class PrefixCache:
             nodes.append(child)
             node = child
         return nodes
+
+    def num_evicted_after(
+        self, salt: str, token_ids: Sequence[int], hit: Sequence[CacheNode], max_tokens: int
+    ) -> int:
+        """Tokens right after the cached prefix `hit` whose blocks this cache held once and
+        has evicted (consecutive full blocks whose prefix hash is among the recently evicted)."""
+        if not self.recently_evicted:
+            return 0
+        bs = self.block_size
+        parent = hit[-1].block_hash if hit else salt_hash(salt)
+        count = 0
+        for start in range(len(hit) * bs, max(0, max_tokens) // bs * bs, bs):
+            parent = chain_hash(parent, tuple(token_ids[start : start + bs]))
+            if parent not in self.recently_evicted:
+                break
+            count += bs
+        return count
 
     def num_idle_among(self, nodes: Iterable[CacheNode]) -> int:
         return sum(1 for n in nodes if self.pool.ref_count(n.block_id) == 1)
@@ -230,6 +253,9 @@ class PrefixCache:
             node = self._by_block[block]
             parent = node.parent
             evicted.append(self._remove(node))
+            self.recently_evicted[node.block_hash] = None
+            if len(self.recently_evicted) > EVICTED_HASHES_KEPT:
+                self.recently_evicted.popitem(last=False)
             if parent is not None and parent.block_id in self._candidates:
                 one = np.array([parent.block_id], dtype=np.int64)
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])

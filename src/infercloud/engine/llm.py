@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from infercloud.engine.config import EngineConfig
 from infercloud.engine.llm_engine import LLMEngine
+from infercloud.engine.request_meter import RequestMeter
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
 
@@ -21,6 +22,8 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens that came from the prefix cache."""
+    meter: RequestMeter | None = None
+    """What the request used of the engine (`request_meter`)."""
 
 
 class LLM:
@@ -63,5 +66,6 @@ class LLM:
                     result.finish_reason = out.finish_reason
                     result.stop_reason = out.stop_reason
                     result.num_cached_tokens = out.num_cached_tokens
+                    result.meter = out.meter
                     pending.discard(out.request_id)
         return [results[r] for r in order]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infercloud.engine.request_meter import RequestMeter
 from infercloud.engine.sampler import TokenLogprobs
 
 
@@ -28,3 +29,5 @@ class RequestOutput:
     first_scheduled_time_s: float | None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (OpenAI's `cached_tokens`)."""
+    meter: RequestMeter | None = None
+    """What the request used of the replica (on the finishing output only)."""

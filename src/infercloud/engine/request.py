@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from infercloud.engine.request_meter import RequestMeter
 from infercloud.engine.sampling_params import SamplingParams
 
 
@@ -56,6 +57,8 @@ class Request:
     """Prefix-cache namespace: only requests with the same salt share cached blocks."""
     num_cached_tokens: int | None = None
     """Prompt tokens served from the prefix cache at first admission (None before it)."""
+    meter: RequestMeter = field(default_factory=RequestMeter)
+    """What it used of the replica so far (the engine charges it each step)."""
 
     @property
     def num_prompt_tokens(self) -> int:

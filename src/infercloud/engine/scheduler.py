@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infercloud.cache.kv_cache_manager import NO_HIT, KVCacheManager
+from infercloud.cache.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_queue import SchedulingPolicy, make_queue
 
@@ -200,6 +200,7 @@ class Scheduler:
                         self.host_cache_hits_tokens += len(hit.host) * bs
                     if request.num_cached_tokens is None:
                         request.num_cached_tokens = num_cached
+                        self._note_evicted_prefix(request, hit)
                 request.num_computed_tokens = start
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time_s is None:
@@ -211,6 +212,17 @@ class Scheduler:
                 budget -= num_new
 
         return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _note_evicted_prefix(self, request: Request, hit: PrefixHit) -> None:
+        """Mark the prompt tokens past the hit that the cache once held: computing them again
+        is recompute in the request's meter."""
+        cache = self.kv_cache.prefix_cache
+        if cache is None:
+            return
+        tokens = request.prompt_token_ids
+        evicted = cache.num_evicted_after(request.cache_salt, tokens, hit.device, len(tokens) - 1)
+        if evicted:
+            request.meter.evicted_prefix_tokens = len(hit.device) * cache.block_size + evicted
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":

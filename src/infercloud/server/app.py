@@ -23,6 +23,7 @@ from infercloud.engine.async_engine import AsyncEngine, EngineDeadError
 from infercloud.engine.config import EngineConfig
 from infercloud.engine.llm_engine import LLMEngine, RequestRejectedError
 from infercloud.engine.outputs import RequestOutput
+from infercloud.engine.request_meter import RequestMeter
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.models.prompts import chat_prompt_ids, text_prompt_ids
@@ -44,6 +45,7 @@ class _Choice:
     __slots__ = (
         "finish_reason",
         "logprobs",
+        "meter",
         "num_cached_tokens",
         "num_output_tokens",
         "num_prompt_tokens",
@@ -59,6 +61,7 @@ class _Choice:
         self.num_prompt_tokens = 0
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
+        self.meter: RequestMeter | None = None
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.new_text
@@ -66,6 +69,8 @@ class _Choice:
         self.num_prompt_tokens = out.num_prompt_tokens
         self.num_output_tokens = out.num_output_tokens
         self.num_cached_tokens = out.num_cached_tokens
+        if out.meter is not None:
+            self.meter = out.meter
         if out.finished:
             self.finish_reason = out.finish_reason
             self.stop_reason = out.stop_reason
@@ -177,12 +182,17 @@ def create_app(
         prompt = sum(c.num_prompt_tokens for c in choices)
         completion = sum(c.num_output_tokens for c in choices)
         cached = sum(c.num_cached_tokens for c in choices)
-        return {
+        out: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        meters = [c.meter.as_usage() for c in choices if c.meter is not None]
+        if meters:
+            # What the request used of this replica, for the platform's ledger.
+            out["infercloud"] = {k: sum(m[k] for m in meters) for k in meters[0]}
+        return out
 
     def token_text(token_id: int) -> str:
         return str(decoder.decode([token_id], skip_special_tokens=False))

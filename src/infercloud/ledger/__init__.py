@@ -1,0 +1,1 @@
+"""The cost ledger, tasks and their outcomes, pricing plans and reports."""
