@@ -20,6 +20,7 @@ from pathlib import Path
 from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
 from infercloud.engine.step_shape import StepShape
 from infercloud.gateway import cli as gateway_cli
+from infercloud.ledger import cli as ledger_cli
 from infercloud.models.registry import DEFAULT_MODEL_NAME
 from infercloud.sim import cli as sim_cli
 from infercloud.units import parse_bytes
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="print JSON")
     gateway_cli.add_commands(sub)
     sim_cli.add_commands(sub)
+    ledger_cli.add_commands(sub)
     return parser
 
 
@@ -128,6 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return gateway_cli.run(args)
     if args.command in ("simulate", "calibrate"):
         return sim_cli.run(args)
+    if args.command == "report":
+        return ledger_cli.run(args)
     return 2  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -61,11 +61,42 @@ def test_version_2_adds_the_retry_columns_to_an_old_database(store_url: str) -> 
             conn.execute(sa.text("ALTER TABLE usage_records DROP COLUMN failed_replicas"))
             conn.execute(sa.text("UPDATE infercloud_schema_version SET version = 1"))
         assert store.version() == 1
-        assert store.migrate() == 2
+        assert store.migrate() == 3
         store.add_usage([replace(usage("new"), attempts=2, failed_replicas="m/1")])
         rows = {r.request_id: r for r in store.usage()}
         assert (rows["old"].attempts, rows["old"].failed_replicas) == (1, None)
         assert (rows["new"].attempts, rows["new"].failed_replicas) == (2, "m/1")
+    finally:
+        store.close()
+
+
+def test_version_3_adds_tasks_meters_and_spans_to_an_old_database(store_url: str) -> None:
+    import sqlalchemy as sa
+
+    from infercloud.gateway.store import _V3_COLUMNS, OutcomeRecord
+
+    store = Store(store_url)
+    try:
+        store.migrate()
+        store.add_usage([usage("old")])
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("DROP INDEX ix_usage_records_task_id"))
+            for column in _V3_COLUMNS:
+                conn.execute(sa.text(f"ALTER TABLE usage_records DROP COLUMN {column}"))
+            conn.execute(sa.text("DROP TABLE replica_spans"))
+            conn.execute(sa.text("DROP TABLE task_outcomes"))
+            conn.execute(sa.text("UPDATE infercloud_schema_version SET version = 2"))
+        assert store.migrate() == 3
+        store.add_usage([replace(usage("new"), task_id="t1", compute_s=0.5, kv_byte_s=2.0)])
+        rows = {r.request_id: r for r in store.usage()}
+        assert (rows["old"].task_id, rows["old"].compute_s) == (None, None)
+        assert (rows["new"].task_id, rows["new"].compute_s) == ("t1", 0.5)
+        outcome = OutcomeRecord("acme", "t1", False, "v", 1, 0, "model", None, None, 1.0)
+        store.put_outcome(outcome)
+        store.put_outcome(replace(outcome, success=True, blamed_layer=None, reported_at_s=2.0))
+        assert store.outcomes() == [
+            replace(outcome, success=True, blamed_layer=None, reported_at_s=2.0)
+        ]
     finally:
         store.close()
 

@@ -166,3 +166,29 @@ def test_a_plan_needs_exactly_one_kind() -> None:
             {"name": "x", "per_gpu_hour": {"usd": 1}, "per_task": {"usd_per_success": 1}}
         )
     assert len(PlanBook.load().plans) == 3
+
+
+@pytest.mark.parametrize(
+    ("outcome", "status", "error", "failed", "layer"),
+    [
+        ("completed", 200, None, (), None),
+        ("completed", 200, None, (("m0/1", 1.0),), "runtime"),  # recovered by a retry
+        ("failed", 502, "replicas failed: m0/0", (("m0/0", 1.0),), "runtime"),
+        ("failed", 200, "mid-stream: reset", (("m0/0", 3.0),), "runtime"),
+        ("refused", 503, "the model is saturated; request shed", (), "routing"),
+        ("failed", 400, "This model's maximum context length is 2048 tokens.", (), "context"),
+        ("refused", 429, "rate limit", (), None),  # the client's own limit, not a failure
+        ("failed", 400, "bad temperature", (), None),
+    ],
+)
+def test_the_platform_attributes_what_it_saw(
+    outcome: str, status: int, error: str | None, failed: tuple[tuple[str, float], ...],
+    layer: str | None,
+) -> None:  # fmt: skip
+    from infercloud.ledger.cost import RequestCost
+    from infercloud.ledger.tasks import observed_failure
+
+    usage = RequestUsage(
+        "r", "t", "m0", "m0/0", 0.0, outcome, status=status, error=error, failed_attempts=failed
+    )
+    assert observed_failure(RequestCost(usage)) == layer

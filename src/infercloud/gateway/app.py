@@ -28,6 +28,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -52,14 +53,16 @@ from infercloud.gateway.admission import CLASSES, AdmissionQueue, Ticket
 from infercloud.gateway.config import DeploymentConfig, ModelDeployment, TenantLimits
 from infercloud.gateway.limits import Decision, Limits
 from infercloud.gateway.protocol import (
+    INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     KeyCreate,
+    TaskOutcomeBody,
 )
 from infercloud.gateway.replicas import Replica
 from infercloud.gateway.sse import UsageRelay
-from infercloud.gateway.store import KeyRecord, Store, UsageRecord
+from infercloud.gateway.store import KeyRecord, OutcomeRecord, SpanRecord, Store, UsageRecord
 from infercloud.gateway.usage_writer import UsageWriter
 from infercloud.models.prompts import chat_prompt_ids, content_text, text_prompt_ids
 from infercloud.router.replica_set import NoReplicaError, ReplicaSet, ReplicaState, Route
@@ -142,7 +145,18 @@ class Flight:
     route: Route | None = None
     attempts: int = 0
     failed_replicas: list[str] = field(default_factory=list)
+    failed_attempt_s: list[float] = field(default_factory=list)
+    attempt_started_s: float | None = None
+    task_id: str | None = None
+    config: str | None = None
     done: bool = False
+
+    def attempt_failed(self, replica: str) -> None:
+        """The current attempt, on `replica`, failed: remember where and how long it took."""
+        self.failed_replicas.append(replica)
+        started = self.attempt_started_s
+        self.failed_attempt_s.append(self.gateway.clock() - started if started else 0.0)
+        self.attempt_started_s = None
 
     async def finish(
         self,
@@ -161,6 +175,8 @@ class Flight:
         completion = int(usage.get("completion_tokens") or 0)
         details = usage.get("prompt_tokens_details") or {}
         cached = int(details.get("cached_tokens") or 0) if isinstance(details, dict) else 0
+        meter = usage.get("infercloud")
+        meter = meter if isinstance(meter, dict) else {}
         dep = self.deployment
         cost = dep.price.cost_usd(prompt, cached, completion) if dep is not None else 0.0
         if self.route is not None:
@@ -201,9 +217,54 @@ class Flight:
             created_at_s=self.created_at_s,
             attempts=self.attempts,
             failed_replicas=",".join(self.failed_replicas) or None,
+            task_id=self.task_id,
+            config=self.config,
+            compute_s=_number(meter.get("compute_s")),
+            recompute_s=_number(meter.get("recompute_s")),
+            recomputed_tokens=_integer(meter.get("recomputed_tokens")),
+            kv_byte_s=_number(meter.get("kv_byte_s")),
+            failed_attempt_s=",".join(f"{x:.6f}" for x in self.failed_attempt_s) or None,
         )
         gw.writer.record(record)
         gw.metric_requests.labels(dep.name if dep else "", str(status), outcome).inc()
+
+
+def _number(value: Any) -> float | None:
+    """A replica's meter reading, if it is a finite non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) and value >= 0 else None
+
+
+def _integer(value: Any) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number < INT32_MAX else None
+
+
+TASK_ID = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+CONFIG_LABEL = re.compile(r"^[A-Za-z0-9_.:@/-]{1,64}$")
+
+
+def task_labels(raw: Request, body: GenerationRequest) -> tuple[str | None, str | None]:
+    """The task id and configuration label of a request: the `x-infercloud-task` and
+    `x-infercloud-config` headers, else `metadata.task_id` and `metadata.config`."""
+    meta = body.metadata or {}
+    out: list[str | None] = []
+    for header, key, pattern in (
+        ("x-infercloud-task", "task_id", TASK_ID),
+        ("x-infercloud-config", "config", CONFIG_LABEL),
+    ):
+        value = raw.headers.get(header, meta.get(key))
+        if value is not None and (not isinstance(value, str) or not pattern.match(value)):
+            raise APIError(
+                400,
+                f"{header} / metadata.{key} must be a string of letters, digits and _.:@/- "
+                f"(at most {128 if key == 'task_id' else 64})",
+                param=f"metadata.{key}",
+                code=f"invalid_{key}",
+            )
+        out.append(value)
+    return out[0], out[1]
 
 
 def _getter(queue: AdmissionQueue, attr: str) -> Callable[[], float]:
@@ -260,6 +321,8 @@ class Gateway:
             for m in config.models
         }
         self._waiters: dict[Ticket, asyncio.Future[None]] = {}
+        self._spans: dict[str, str] = {}
+        """Open replica span ids by replica name."""
         self._session: aiohttp.ClientSession | None = None
         self._auth_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="auth")
         """Key lookups get threads of their own: behind a flood's lookups in the default pool
@@ -312,6 +375,54 @@ class Gateway:
         session = await self.session()
         for rs in self.replica_sets.values():
             self._monitors.append(asyncio.create_task(watch(rs, session, self.restart)))
+        await asyncio.to_thread(self._open_spans)
+        self._monitors.append(asyncio.create_task(self._renew_spans()))
+
+    # -- replica spans (what the fleet costs: `ledger`) ----------------------------------------
+
+    def _open_spans(self) -> None:
+        from infercloud.units import parse_bytes
+
+        now = self.wall_clock()
+        for dep in self.config.models:
+            for rs_state in self.replica_sets[dep.name].states:
+                name = rs_state.name
+                index = int(name.rsplit("/", 1)[1]) if "/" in name else 0
+                spec = dep.replicas[index] if index < len(dep.replicas) else dep.replicas[0]
+                kv_bytes = parse_bytes(spec.builtin.kv_cache_bytes) if spec.builtin else 0
+                hw = spec.hardware
+                span = SpanRecord(
+                    span_id=f"span-{uuid.uuid4().hex}",
+                    replica=name,
+                    model=dep.name,
+                    hardware=hw.name,
+                    usd_per_hour=hw.price_per_hour,
+                    kv_usd_per_hour=min(
+                        hw.price_per_hour, kv_bytes / 2**30 * hw.memory_usd_per_gib_hour
+                    ),
+                    kv_cache_bytes=kv_bytes,
+                    started_at_s=now,
+                    last_seen_s=now,
+                )
+                self.store.open_span(span)
+                self._spans[name] = span.span_id
+
+    async def _renew_spans(self) -> None:
+        from infercloud.ledger.records import SPAN_RENEW_S
+
+        while True:
+            await asyncio.sleep(SPAN_RENEW_S)
+            try:
+                await asyncio.to_thread(
+                    self.store.renew_spans, list(self._spans.values()), self.wall_clock()
+                )
+            except Exception:
+                log.exception("renewing replica spans failed")
+
+    def _close_span(self, name: str) -> None:
+        span_id = self._spans.pop(name, None)
+        if span_id is not None:
+            self.store.close_span(span_id, self.wall_clock())
 
     def replica_state(self, name: str) -> tuple[ReplicaSet, ReplicaState]:
         for rs in self.replica_sets.values():
@@ -334,6 +445,7 @@ class Gateway:
             await asyncio.sleep(0.05)
         await asyncio.to_thread(state.replica.stop)
         state.status = "stopped"
+        await asyncio.to_thread(self._close_span, state.name)
         log.info("replica %s drained and stopped", state.name)
 
     async def close(self) -> None:
@@ -342,6 +454,11 @@ class Gateway:
         await asyncio.gather(*self._monitors, return_exceptions=True)
         for hook in self.on_close:
             await asyncio.to_thread(hook)
+        for name in list(self._spans):
+            try:
+                await asyncio.to_thread(self._close_span, name)
+            except Exception:
+                log.exception("closing the span of %s failed", name)
         if self._session is not None:
             await self._session.close()
         self._auth_pool.shutdown(wait=False)
@@ -597,7 +714,7 @@ class Gateway:
         """One usage record for a generation request refused before `handle` saw it (a body
         too large or invalid), with its tenant when its key is good."""
         path = str(scope.get("path", ""))
-        if not path.startswith("/v1/") or path == "/v1/usage":
+        if path not in ("/v1/chat/completions", "/v1/completions"):
             return
         flight = Flight(
             self,
@@ -645,6 +762,7 @@ class Gateway:
                 code="model_not_found",
             )
         flight.deployment = deployment
+        flight.task_id, flight.config = task_labels(raw, body)
         ids = self.prompt_ids(deployment, body)
         prompt_tokens = self.count_prompt_tokens(deployment, body, ids)
         headers = await self.check_limits(flight, caller, prompt_tokens)
@@ -676,13 +794,14 @@ class Gateway:
             flight.route = route
             flight.replica = route.state.replica
             flight.attempts += 1
+            flight.attempt_started_s = self.clock()
             try:
                 return await self._attempt(flight, body, endpoint, salt, want_usage, headers)
             except ReplicaFailed as exc:
                 log.warning("replica %s failed %s: %s", route.state.name, flight.request_id, exc)
                 ReplicaSet.finish(route)
                 flight.route = None
-                flight.failed_replicas.append(route.state.name)
+                flight.attempt_failed(route.state.name)
                 if exc.connection:
                     replica_set.eject(route.state)
                 if flight.attempts >= deployment.routing.max_attempts:
@@ -849,6 +968,7 @@ class Gateway:
             body = error_body(
                 502, f"replica {state.name} failed mid-stream", None, "replica_failed"
             )
+            flight.attempt_failed(state.name)
             await flight.finish("failed", 200, relay.usage, error=f"mid-stream: {exc!r}")
             yield f"data: {json.dumps(body)}\n\n".encode()
             return
@@ -987,6 +1107,62 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     async def drain_replica(name: str, raw: Request) -> dict[str, Any]:
         await gateway.require_admin(raw)
         return await gateway.drain(name)
+
+    @app.post("/v1/tasks/{task_id}/outcome")
+    async def task_outcome(task_id: str, body: TaskOutcomeBody, raw: Request) -> dict[str, Any]:
+        """Record how a task ended (a later report replaces an earlier one)."""
+        caller = await gateway.authenticate(raw)
+        if not TASK_ID.match(task_id):
+            raise APIError(400, "invalid task id", param="task_id", code="invalid_task_id")
+        record = OutcomeRecord(
+            tenant=caller.tenant,
+            task_id=task_id,
+            success=body.success,
+            verifier=body.verifier,
+            tool_calls=body.tool_calls,
+            retries=body.retries,
+            blamed_layer=body.blamed_layer,
+            config=body.config,
+            detail=body.detail,
+            reported_at_s=gateway.wall_clock(),
+        )
+        await asyncio.to_thread(gateway.store.put_outcome, record)
+        return {"object": "task.outcome", **asdict(record)}
+
+    @app.get("/admin/report")
+    async def admin_report(
+        raw: Request,
+        period: str = "all",
+        since: str | None = None,
+        until: str | None = None,
+        by: str = "tenant",
+        requests: bool = False,
+    ) -> dict[str, Any]:
+        """The ledger's report (`infercloud report`) with the default pricing plans."""
+        from infercloud.ledger.period import resolve_period
+        from infercloud.ledger.plans import PlanBook
+        from infercloud.ledger.records import report_from_store
+        from infercloud.ledger.report import GROUPINGS
+
+        await gateway.require_admin(raw)
+        now = gateway.wall_clock()
+        try:
+            since_s, until_s = resolve_period(period, since, until, now)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="period", code="invalid_period") from None
+        if by not in GROUPINGS:
+            raise APIError(400, f"by must be one of {', '.join(GROUPINGS)}", param="by")
+        await asyncio.to_thread(gateway.writer.flush)
+        return await asyncio.to_thread(
+            report_from_store,
+            gateway.store,
+            since_s,
+            until_s,
+            now,
+            by,
+            PlanBook.load(),
+            requests,
+        )
 
     @app.get("/admin/usage")
     async def admin_usage(

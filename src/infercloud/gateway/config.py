@@ -64,11 +64,22 @@ class UpstreamReplica(_Strict):
     api_key: str | None = None
 
 
+MEMORY_USD_PER_GIB_HOUR = 0.004237
+"""GCP Compute Engine N2 memory, on demand, us-central1 (cloud.google.com/compute/
+vm-instance-pricing; n2-standard-2 at $0.0971/h = 2 vCPU x $0.031611 + 8 GiB x $0.004237)."""
+
+LOCAL_CPU_USD_PER_HOUR = 2 * 0.031611 + 24 * MEMORY_USD_PER_GIB_HOUR
+"""This machine (2 cores, 24 GiB) at the same N2 rates: $0.1639 per hour."""
+
+
 class Hardware(_Strict):
     """What a replica runs on, for the ledger and the simulator: a label and its price."""
 
     name: str = "local-cpu"
     price_per_hour: float = Field(default=0.0, ge=0)
+    memory_usd_per_gib_hour: float = Field(default=MEMORY_USD_PER_GIB_HOUR, ge=0)
+    """What a GiB of the KV cache's memory costs: the ledger charges the KV pool's share of
+    `price_per_hour` (at most all of it) as cache occupancy, by bytes held x seconds."""
 
 
 class ReplicaSpec(_Strict):
@@ -172,7 +183,12 @@ class DeploymentConfig(_Strict):
             models=[
                 ModelDeployment(
                     name=DEFAULT_MODEL_NAME,
-                    replicas=[ReplicaSpec(builtin=BuiltinReplica())],
+                    replicas=[
+                        ReplicaSpec(
+                            builtin=BuiltinReplica(),
+                            hardware=Hardware(price_per_hour=LOCAL_CPU_USD_PER_HOUR),
+                        )
+                    ],
                     price=Price(
                         input_per_mtok=0.05, cached_input_per_mtok=0.025, output_per_mtok=0.10
                     ),

@@ -7,7 +7,7 @@ appear in the gateway's OpenAPI document.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -96,3 +96,24 @@ class KeyCreate(BaseModel):
     max_concurrent: int | None = Field(default=None, ge=1, le=INT32_MAX)
     priority: str = Field(default="standard", pattern=r"^(interactive|standard|batch)$")
     budget_usd: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
+
+
+Layer = Literal["model", "context", "runtime", "hardware", "routing", "verifier"]
+"""Where a task's failure is attributed (`ledger.tasks.LAYERS`)."""
+
+
+class TaskOutcomeBody(BaseModel):
+    """`POST /v1/tasks/{task_id}/outcome`: how a task ended, as its client or verifier saw it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    success: bool
+    verifier: str | None = Field(default=None, max_length=128)
+    tool_calls: int = Field(default=0, ge=0, le=INT32_MAX)
+    retries: int = Field(default=0, ge=0, le=INT32_MAX)
+    """Retries the client made itself (the platform counts its own)."""
+    blamed_layer: (
+        Literal["model", "context", "runtime", "hardware", "routing", "verifier"] | None
+    ) = None
+    config: str | None = Field(default=None, max_length=64, pattern=r"^[A-Za-z0-9_.:@/-]+$")
+    detail: str | None = Field(default=None, max_length=2000)

@@ -80,6 +80,47 @@ usage_records = sa.Table(
     # version 2
     sa.Column("attempts", sa.Integer, nullable=False, server_default="1"),
     sa.Column("failed_replicas", sa.Text, nullable=True),
+    # version 3: tasks and the replica's meter
+    sa.Column("task_id", sa.String(128), nullable=True, index=True),
+    sa.Column("config", sa.String(64), nullable=True),
+    sa.Column("compute_s", sa.Float, nullable=True),
+    sa.Column("recompute_s", sa.Float, nullable=True),
+    sa.Column("recomputed_tokens", sa.Integer, nullable=True),
+    sa.Column("kv_byte_s", sa.Float, nullable=True),
+    sa.Column("failed_attempt_s", sa.Text, nullable=True),
+)
+
+replica_spans = sa.Table(
+    "replica_spans",
+    metadata,
+    sa.Column("span_id", sa.String(64), primary_key=True),
+    sa.Column("replica", sa.String(256), nullable=False, index=True),
+    sa.Column("model", sa.String(256), nullable=False),
+    sa.Column("hardware", sa.String(128), nullable=False),
+    sa.Column("usd_per_hour", sa.Float, nullable=False),
+    sa.Column("kv_usd_per_hour", sa.Float, nullable=False),
+    sa.Column("kv_cache_bytes", sa.BigInteger, nullable=False),
+    sa.Column("started_at_s", sa.Float, nullable=False),
+    sa.Column("last_seen_s", sa.Float, nullable=False),
+    sa.Column("stopped_at_s", sa.Float, nullable=True),
+)
+"""When each replica was up and paid for: a gateway opens a span when it starts serving a
+replica, renews `last_seen_s` while it runs and closes it when the replica stops; a span whose
+gateway died ends at its last renewal."""
+
+task_outcomes = sa.Table(
+    "task_outcomes",
+    metadata,
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("task_id", sa.String(128), primary_key=True),
+    sa.Column("success", sa.Boolean, nullable=False),
+    sa.Column("verifier", sa.String(128), nullable=True),
+    sa.Column("tool_calls", sa.Integer, nullable=False),
+    sa.Column("retries", sa.Integer, nullable=False),
+    sa.Column("blamed_layer", sa.String(16), nullable=True),
+    sa.Column("config", sa.String(64), nullable=True),
+    sa.Column("detail", sa.Text, nullable=True),
+    sa.Column("reported_at_s", sa.Float, nullable=False),
 )
 
 
@@ -100,7 +141,32 @@ def _v2(conn: Connection) -> None:
         conn.execute(sa.text("ALTER TABLE usage_records ADD COLUMN failed_replicas TEXT"))
 
 
-MIGRATIONS: Sequence[Callable[[Connection], None]] = (_v1, _v2)
+_V3_COLUMNS = {
+    "task_id": "VARCHAR(128)",
+    "config": "VARCHAR(64)",
+    "compute_s": "FLOAT",
+    "recompute_s": "FLOAT",
+    "recomputed_tokens": "INTEGER",
+    "kv_byte_s": "FLOAT",
+    "failed_attempt_s": "TEXT",
+}
+
+
+def _v3(conn: Connection) -> None:
+    """Tasks and the ledger: a task id and configuration per request, what the replica metered,
+    how long failed attempts took; replica spans and task outcomes."""
+    have = {c["name"] for c in sa.inspect(conn).get_columns("usage_records")}
+    for name, kind in _V3_COLUMNS.items():
+        if name not in have:
+            conn.execute(sa.text(f"ALTER TABLE usage_records ADD COLUMN {name} {kind}"))
+    indexes = {i["name"] for i in sa.inspect(conn).get_indexes("usage_records")}
+    if "ix_usage_records_task_id" not in indexes:
+        conn.execute(sa.text("CREATE INDEX ix_usage_records_task_id ON usage_records (task_id)"))
+    replica_spans.create(conn, checkfirst=True)
+    task_outcomes.create(conn, checkfirst=True)
+
+
+MIGRATIONS: Sequence[Callable[[Connection], None]] = (_v1, _v2, _v3)
 """`MIGRATIONS[i]` upgrades the schema from version i to i + 1."""
 
 
@@ -150,7 +216,46 @@ class UsageRecord:
     attempts: int = 1
     """Replicas the request was sent to (more than 1 when one failed before its first token)."""
     failed_replicas: str | None = None
-    """Comma-separated names of the replicas that failed it, in order."""
+    """Comma-separated names of the replicas that failed it, in order: before its first token
+    (then it was retried elsewhere), or mid-stream (the last one; the request failed)."""
+    task_id: str | None = None
+    config: str | None = None
+    """The client's label for the configuration it ran (prompt, sampling), for comparisons."""
+    compute_s: float | None = None
+    """Step time the replica spent on this request's new tokens (None: it meters nothing)."""
+    recompute_s: float | None = None
+    recomputed_tokens: int | None = None
+    kv_byte_s: float | None = None
+    failed_attempt_s: str | None = None
+    """Comma-separated seconds spent on each replica of `failed_replicas`."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    span_id: str
+    replica: str
+    model: str
+    hardware: str
+    usd_per_hour: float
+    kv_usd_per_hour: float
+    kv_cache_bytes: int
+    started_at_s: float
+    last_seen_s: float
+    stopped_at_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeRecord:
+    tenant: str
+    task_id: str
+    success: bool
+    verifier: str | None
+    tool_calls: int
+    retries: int
+    blamed_layer: str | None
+    config: str | None
+    detail: str | None
+    reported_at_s: float
 
 
 def database_url_for(data_dir: Path) -> str:
@@ -287,10 +392,82 @@ class Store:
         with self.engine.connect() as conn:
             return float(conn.execute(query).scalar_one())
 
+    # -- replica spans -------------------------------------------------------------------------
+
+    def open_span(self, span: SpanRecord) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(replica_spans.insert().values(**asdict(span)))
+
+    def renew_spans(self, span_ids: Sequence[str], now_s: float) -> None:
+        """Mark open spans as still up at `now_s`."""
+        if not span_ids:
+            return
+        with self.engine.begin() as conn:
+            conn.execute(
+                replica_spans.update()
+                .where(replica_spans.c.span_id.in_(list(span_ids)))
+                .where(replica_spans.c.stopped_at_s.is_(None))
+                .values(last_seen_s=now_s)
+            )
+
+    def close_span(self, span_id: str, now_s: float) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(
+                replica_spans.update()
+                .where(replica_spans.c.span_id == span_id)
+                .where(replica_spans.c.stopped_at_s.is_(None))
+                .values(stopped_at_s=now_s, last_seen_s=now_s)
+            )
+
+    def spans(self, since_s: float | None = None, until_s: float | None = None) -> list[SpanRecord]:
+        """Spans that may overlap `[since_s, until_s)`: those started before its end and not
+        stopped before its start (an open span may have ended at its last renewal)."""
+        query = sa.select(replica_spans).order_by(replica_spans.c.started_at_s)
+        if until_s is not None:
+            query = query.where(replica_spans.c.started_at_s < until_s)
+        if since_s is not None:
+            query = query.where(
+                sa.or_(
+                    replica_spans.c.stopped_at_s.is_(None), replica_spans.c.stopped_at_s > since_s
+                )
+            )
+        with self.engine.connect() as conn:
+            return [SpanRecord(**r._mapping) for r in conn.execute(query)]
+
+    # -- task outcomes --------------------------------------------------------------------------
+
+    def put_outcome(self, record: OutcomeRecord) -> None:
+        """Store a task's outcome, replacing an earlier one for the same (tenant, task)."""
+        row = asdict(record)
+        if self.engine.dialect.name == "postgresql":
+            statement: Any = pg_insert(task_outcomes)
+        else:
+            statement = sqlite_insert(task_outcomes)
+        keys = ("tenant", "task_id")
+        statement = statement.values(**row).on_conflict_do_update(
+            index_elements=list(keys), set_={k: v for k, v in row.items() if k not in keys}
+        )
+        with self.engine.begin() as conn:
+            conn.execute(statement)
+
+    def outcomes(self, tenant: str | None = None) -> list[OutcomeRecord]:
+        query = sa.select(task_outcomes)
+        if tenant is not None:
+            query = query.where(task_outcomes.c.tenant == tenant)
+        with self.engine.connect() as conn:
+            return [OutcomeRecord(**r._mapping) for r in conn.execute(query)]
+
     def drop_all(self) -> None:
         """Remove every table of the schema (tests)."""
         with self.engine.begin() as conn:
-            for table in (usage_records, api_keys, tenants, schema_version):
+            for table in (
+                task_outcomes,
+                replica_spans,
+                usage_records,
+                api_keys,
+                tenants,
+                schema_version,
+            ):
                 table.drop(conn, checkfirst=True)
 
     def close(self) -> None:

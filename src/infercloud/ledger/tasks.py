@@ -43,12 +43,12 @@ def observed_failure(row: RequestCost) -> str | None:
     failed it (runtime, even when a retry recovered), no replica to send it to (routing), or a
     prompt too long for the model (context)."""
     u = row.usage
-    if u.outcome == "failed" or u.failed_attempts:
-        return "runtime"
+    if u.status == 400 and "context length" in (u.error or ""):
+        return "context"
+    if u.failed_attempts or (u.outcome == "failed" and (u.status >= 500 or u.status == 200)):
+        return "runtime"  # (200: a stream that broke after its first token)
     if u.outcome == "refused" and u.status == 503:
         return "routing"
-    if u.outcome == "refused" and u.status == 400 and "context length" in (u.error or ""):
-        return "context"
     return None
 
 
