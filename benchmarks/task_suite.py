@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import EngineServer
 
 ADMIN = "ic-admin-task-suite"
-MODEL = "smollm2-135m-instruct"
+MODEL = "SmolLM2-135M-Instruct"
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def markdown(report: dict[str, Any], results: list[dict[str, Any]], command: str
     for term in report["total"]["terms_usd"]:
         row(
             term.removesuffix("_usd").replace("_", " "),
-            lambda g, k=term: f"${g['terms_usd'][k]:.6f}",
+            lambda g, k=term: f"${g['terms_usd'][k]:.3e}",
         )
     per_success = {c.name: t(groups[c.name])["cost_per_successful_task_usd"] for c in CONFIGS}
     known = {k: v for k, v in per_success.items() if v is not None}
@@ -262,14 +262,26 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/task_suite.json"))
     ap.add_argument("--markdown", type=Path, default=Path("docs/tasks_demo.md"))
+    ap.add_argument(
+        "--kv-cache-bytes",
+        default=None,
+        help="a smaller KV pool than the embedded default's (preemption and eviction show as "
+        "non-reusable context)",
+    )
     args = ap.parse_args()
     tasks = make_suite(args.tasks_per_family, args.seed)
     data = Path(tempfile.mkdtemp(prefix="task-suite-"))
-    server = EngineServer(
-        ["--admin-key", ADMIN, "--data-dir", str(data), "--log-level", "warning"],
-        command="serve",
-        timeout_s=600,
-    )
+    serve_args = ["--admin-key", ADMIN, "--data-dir", str(data), "--log-level", "warning"]
+    if args.kv_cache_bytes:
+        # the embedded deployment (`DeploymentConfig.default()`) with another pool size
+        from infercloud.gateway.config import DeploymentConfig
+
+        config = DeploymentConfig.default().model_dump(mode="json")
+        config["models"][0]["replicas"][0]["builtin"]["kv_cache_bytes"] = args.kv_cache_bytes
+        path = data / "deploy.yaml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        serve_args += ["--config", str(path)]
+    server = EngineServer(serve_args, command="serve", timeout_s=600)
     try:
         key = httpx.post(
             server.base_url + "/admin/keys",

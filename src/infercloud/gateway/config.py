@@ -69,7 +69,7 @@ MEMORY_USD_PER_GIB_HOUR = 0.004237
 vm-instance-pricing; n2-standard-2 at $0.0971/h = 2 vCPU x $0.031611 + 8 GiB x $0.004237)."""
 
 LOCAL_CPU_USD_PER_HOUR = 2 * 0.031611 + 24 * MEMORY_USD_PER_GIB_HOUR
-"""This machine (2 cores, 24 GiB) at the same N2 rates: $0.1639 per hour."""
+"""This machine (2 cores, 24 GiB) at the same N2 rates: $0.1649 per hour."""
 
 
 class Hardware(_Strict):
