@@ -131,6 +131,27 @@ def test_a_small_pool_preempts_through_the_real_scheduler() -> None:
     assert report["completed"] == 16
 
 
+def test_the_simulated_fleet_keeps_the_platforms_ledger() -> None:
+    """The same meter and ledger as the real platform: the modelled steps are charged to their
+    requests in full, the terms add up to the fleet's cost, and a pool too small for the load
+    shows its preemptions as non-reusable context."""
+    reqs = [SimRequest(f"r{i}", i * 0.05, (Segment(f"p{i}", 512),), 512) for i in range(16)]
+    pools = [Pool(hardware="a100-80gb", kv_cache_bytes="1GiB")]
+    sched = SchedulerSettings(max_num_batched_tokens=2048, max_num_seqs=64)
+    report = Simulation(_fleet(pools=pools, scheduler=sched), reqs).run()
+    ledger = report["ledger"]
+    busy_s = sum(r["utilization"] for r in report["replicas"]) * report["duration"]
+    assert ledger["metered_busy_s"] == pytest.approx(busy_s, rel=1e-9)
+    assert ledger["fleet_cost_usd"] == pytest.approx(report["cost_usd"], rel=1e-9)
+    terms = ledger["terms_usd"]
+    assert sum(terms.values()) + ledger["unallocated_usd"] == pytest.approx(report["cost_usd"])
+    assert report["num_preemptions"] > 0 and terms["non_reusable_context_usd"] > 0
+    assert all(v >= 0 for v in terms.values()) and terms["new_compute_usd"] > 0
+    roomy = Simulation(_fleet(pools=[Pool(hardware="a100-80gb")], scheduler=sched), reqs).run()
+    assert roomy["num_preemptions"] == 0
+    assert roomy["ledger"]["terms_usd"]["non_reusable_context_usd"] == 0
+
+
 def test_traces_load_with_shared_prefixes_and_time_scaling() -> None:
     mooncake = load_trace(TRACES / "mooncake_synthetic.jsonl", token_scale=1 / 16)
     assert len(mooncake) == 3993

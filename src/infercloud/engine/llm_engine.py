@@ -30,10 +30,11 @@ from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.model_runner import ModelRunner, num_kv_blocks_for_bytes, resolve_dtype
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.request import Request, RequestStatus
-from infercloud.engine.request_meter import StepCostWeights, split_step
+from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampler import TokenLogprobs
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import ScheduledChunk, Scheduler
+from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
 from infercloud.models.registry import resolve_model
 
@@ -152,6 +153,7 @@ class LLMEngine:
         )
         elem = torch.empty((), dtype=dtype).element_size()
         self.kv_block_bytes = config.block_size * mc.kv_bytes_per_token * elem
+        self.step_meter = StepMeter(self.kv_cache, self.kv_block_bytes, self.step_weights)
 
     def _second_tier(self, config: EngineConfig, num_blocks: int) -> SecondTier | None:
         if config.host_cache_bytes <= 0:
@@ -301,7 +303,7 @@ class LLMEngine:
         output = self.scheduler.schedule(self.clock())
         if output.is_empty:
             return []
-        kv_shares = self._kv_bytes_held()
+        held = self.step_meter.held(self.scheduler.running)
         self.last_step = StepShape(
             tuple((c.start, c.num_tokens) for c in output.chunks),
             sum(1 for c in output.chunks if c.samples),
@@ -325,7 +327,7 @@ class LLMEngine:
             for chunk, lp in zip(result.sampled_chunks, result.sampler_output.logprobs, strict=True)
         }
         updates = self.scheduler.update_from_output(output, sampled, self.clock())
-        self._charge(output.chunks, kv_shares, time.perf_counter() - step_started_s)
+        self.step_meter.charge(output.chunks, held, time.perf_counter() - step_started_s)
         outputs: list[RequestOutput] = []
         for update in updates:
             tracked = self._tracked[update.request.request_id]
@@ -345,35 +347,6 @@ class LLMEngine:
             else:
                 outputs.append(self._delta_output(tracked, [update.new_token_id]))
         return outputs
-
-    def _kv_bytes_held(self) -> list[tuple[Request, float]]:
-        """KV bytes each running request holds now, a block shared by several requests split
-        evenly among them (the prefix cache's own reference is not a holder)."""
-        pool = self.block_pool
-        cache = self.prefix_cache
-        out: list[tuple[Request, float]] = []
-        for request in self.scheduler.running:
-            share = 0.0
-            for block in self.kv_cache.block_table(request.request_id):
-                holders = pool.ref_count(block)
-                if cache is not None and cache.node_of(block) is not None:
-                    holders -= 1
-                share += 1.0 / max(1, holders)
-            out.append((request, share * self.kv_block_bytes))
-        return out
-
-    def _charge(
-        self,
-        chunks: list[ScheduledChunk],
-        kv_shares: list[tuple[Request, float]],
-        step_s: float,
-    ) -> None:
-        """Split the step's time between its chunks by their work (`request_meter`)."""
-        shares = split_step([(c.start, c.num_tokens) for c in chunks], step_s, self.step_weights)
-        for chunk, chunk_s in zip(chunks, shares, strict=True):
-            chunk.request.meter.charge_chunk(chunk.start, chunk.num_tokens, chunk_s)
-        for request, held_bytes in kv_shares:
-            request.meter.kv_byte_s += held_bytes * step_s
 
     def _suppressed_tokens(self, chunks: list[ScheduledChunk]) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}

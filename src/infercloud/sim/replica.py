@@ -25,8 +25,10 @@ from infercloud.cache.kv_cache_manager import KVCacheManager, SecondTier
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
 from infercloud.cache.transfer_cost import TransferCostModel
 from infercloud.engine.request import Request, RequestStatus
+from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.events import FINISH, STEP, EventLoop
 from infercloud.sim.perf_model import PerfModel
@@ -66,6 +68,7 @@ class SimReplica:
         host_blocks: int,
         on_token: TokenCallback,
         on_kv_event: Callable[[str, CacheEvent], None] | None = None,
+        step_weights: StepCostWeights | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError(f"replica {name}: the KV pool holds no block (is the model too big?)")
@@ -89,6 +92,10 @@ class SimReplica:
             cost = TransferCostModel(block_size)
             self.kv_cache.second_tier = SecondTier(HostTier(host_blocks), _NoCopy(), cost)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, set())
+        self.meter = StepMeter(
+            self.kv_cache, block_size * perf.kv_bytes_per_token, step_weights or StepCostWeights(0)
+        )
+        """Each request's share of the modelled step time and KV held, as the engine meters."""
         self.on_token = on_token
         self._live: dict[str, _Live] = {}
         self._busy = False
@@ -138,6 +145,7 @@ class SimReplica:
             (second.num_loaded_blocks if second else 0) - loaded_before,
         )
         duration_s = self.perf.step_s(shape)
+        self.meter.charge(output.chunks, self.meter.held(self.scheduler.running), duration_s)
         if second is not None:
             second.cost.observe_step(shape.num_tokens, shape.attention_pairs, duration_s)
             second.cost.observe_copy(1, self.perf.host_copy_s_per_block())

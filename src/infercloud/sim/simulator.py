@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infercloud.engine.request import Request
+from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.scheduler import SchedulerConfig
 from infercloud.gateway.admission import CLASSES, AdmissionQueue, Ticket
 from infercloud.gateway.replicas import Replica
+from infercloud.ledger.cost import RequestUsage
 from infercloud.router.replica_set import ReplicaSet, ReplicaState, Route
 from infercloud.serving_report import RequestTiming, serving_report
 from infercloud.sim.events import ARRIVAL, EventLoop
@@ -50,6 +52,7 @@ class _Pooled:
     replica: SimReplica
     hardware: str
     usd_per_hour: float | None
+    kv_cache_bytes: int
 
 
 class Simulation:
@@ -73,6 +76,8 @@ class Simulation:
         self._by_ticket: dict[Ticket, _Flight] = {}
         """Flights holding an admission ticket that has not started (or failed) yet."""
         self._timings: list[RequestTiming] = []
+        self._usage: list[RequestUsage] = []
+        """The ledger's view of every request, as the gateway would record it."""
         self._pooled: list[_Pooled] = []
         self._by_name: dict[str, SimReplica] = {}
         self._efficiency: dict[str, str] = {}
@@ -95,6 +100,10 @@ class Simulation:
             policy=s.policy,
         )
         states: list[ReplicaState] = []
+        sp = self.spec
+        weights = StepCostWeights.for_model(
+            sp.hidden_size, sp.intermediate_size, sp.num_kv_heads, sp.head_dim
+        )
         for pool in f.pools:
             acc = self.catalog[pool.hardware]
             perf = PerfModel(
@@ -119,9 +128,12 @@ class Simulation:
                     int(host_blocks),
                     self._on_token,
                     self._on_kv_event,
+                    weights,
                 )
                 usd = price.usd_per_hour * pool.tensor_parallel if price else None
-                self._pooled.append(_Pooled(replica, acc.name, usd))
+                self._pooled.append(
+                    _Pooled(replica, acc.name, usd, int(num_blocks) * int(block_bytes))
+                )
                 self._by_name[name] = replica
                 state = ReplicaState(
                     Replica(name, f"sim://{name}", f.model, builtin=True),
@@ -225,6 +237,24 @@ class Simulation:
                 cached_tokens=request.num_cached_tokens or 0,
             )
         )
+        meter = request.meter
+        self._usage.append(
+            RequestUsage(
+                request_id=request.request_id,
+                tenant=flight.request.tenant,
+                model=self.fleet.model,
+                replica=flight.route.state.name,
+                created_at_s=arrival,
+                outcome="completed",
+                prompt_tokens=request.num_prompt_tokens,
+                cached_tokens=request.num_cached_tokens or 0,
+                completion_tokens=request.num_output_tokens,
+                compute_s=meter.compute_s,
+                recompute_s=meter.recompute_s,
+                kv_byte_s=meter.kv_byte_s,
+                e2e_s=now_s - arrival,
+            )
+        )
         self._last_finish_s = now_s
         self._tick()
         if self.admission is not None and flight.ticket is not None:
@@ -235,6 +265,13 @@ class Simulation:
     def _fail(self, flight: _Flight) -> None:
         self._flights.pop(flight.request.request_id, None)
         self._timings.append(RequestTiming(ok=False, prompt_tokens=flight.request.prompt_len))
+        r = flight.request
+        self._usage.append(
+            RequestUsage(
+                r.request_id, r.tenant, self.fleet.model, None, r.arrival_s, "refused",
+                prompt_tokens=r.prompt_len, status=503,
+            )
+        )  # fmt: skip
         self._tick()
 
     def _tick(self) -> None:
@@ -263,6 +300,7 @@ class Simulation:
         slo = self.fleet.slo
         report: dict[str, Any] = serving_report(self._timings, duration_s, slo.ttft_ms, slo.tpot_ms)
         report.update(self._costs(report, duration_s))
+        report["ledger"] = self._ledger(first, first + duration_s)
         report["num_refused"] = self.num_refused
         report["num_shed"] = self.num_shed
         report["num_expired"] = self.num_expired
@@ -282,6 +320,34 @@ class Simulation:
         report["sim_events"] = self.loop.num_events
         report["sim_wall_s"] = time.perf_counter() - started
         return report
+
+    def _ledger(self, since_s: float, until_s: float) -> dict[str, Any]:
+        """The platform's cost ledger over the run: every replica paid from the first arrival
+        to the end, each request charged its share of the modelled steps (`ledger.cost`)."""
+        from infercloud.gateway.config import MEMORY_USD_PER_GIB_HOUR
+        from infercloud.ledger.cost import ReplicaSpan, build_ledger
+
+        spans = []
+        for p in self._pooled:
+            usd = p.usd_per_hour or 0.0
+            kv_usd = min(usd, p.kv_cache_bytes / 2**30 * MEMORY_USD_PER_GIB_HOUR)
+            spans.append(
+                ReplicaSpan(
+                    p.replica.name, self.fleet.model, p.hardware, usd, kv_usd,
+                    p.kv_cache_bytes, since_s, until_s,
+                )
+            )  # fmt: skip
+        ledger = build_ledger(self._usage, spans, since_s, until_s)
+        terms = ledger.terms()
+        tokens = sum(u.prompt_tokens + u.completion_tokens for u in self._usage if u.replica)
+        total = sum(terms.values())
+        return {
+            "fleet_cost_usd": ledger.fleet_cost_usd,
+            "terms_usd": terms,
+            "unallocated_usd": ledger.unallocated_usd,
+            "cost_per_mtok_usd": total / tokens * 1e6 if tokens else None,
+            "metered_busy_s": sum(r.metered_busy_s for r in ledger.replicas),
+        }
 
     def _costs(self, report: dict[str, Any], duration_s: float) -> dict[str, Any]:
         prices = [p.usd_per_hour for p in self._pooled]
