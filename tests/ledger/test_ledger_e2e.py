@@ -120,6 +120,15 @@ def test_tasks_through_the_gateway_reconcile_with_a_hand_computation(
         httpx.post(server.base_url + "/v1/tasks/t/outcome", json={"success": True}).status_code
         == 401
     )
+    task_b = httpx.get(server.base_url + "/v1/tasks/task-b", headers=auth).json()
+    assert task_b["outcome"]["success"] is False and task_b["outcome"]["blamed_layer"] == "model"
+    assert len(task_b["requests"]) == 1 and task_b["observed_failures"] == []
+    assert task_b["requests"][0]["config"] == "verbose"
+    other = cli("keys", "create", "--tenant", f"other-{tenant}", "--json", "--database-url", url)
+    hidden = httpx.get(
+        server.base_url + "/v1/tasks/task-b", headers={"authorization": f"Bearer {other['key']}"}
+    )
+    assert hidden.status_code == 404 and hidden.json()["error"]["code"] == "task_not_found"
     time.sleep(0.3)
     until = time.time()
 

@@ -1129,6 +1129,33 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         await asyncio.to_thread(gateway.store.put_outcome, record)
         return {"object": "task.outcome", **asdict(record)}
 
+    @app.get("/v1/tasks/{task_id}")
+    async def task(task_id: str, raw: Request) -> dict[str, Any]:
+        """One of the caller's tenant's tasks: its outcome, its requests, and the failures the
+        platform saw on them (the layer each is attributed to)."""
+        from infercloud.ledger.cost import RequestCost
+        from infercloud.ledger.records import request_usage
+        from infercloud.ledger.tasks import observed_failure
+
+        caller = await gateway.authenticate(raw)
+        await asyncio.to_thread(gateway.writer.flush)
+        records = await asyncio.to_thread(gateway.store.task_usage, caller.tenant, task_id)
+        outcome = await asyncio.to_thread(gateway.store.outcome, caller.tenant, task_id)
+        if not records and outcome is None:
+            raise APIError(404, f"no task {task_id!r}", param="task_id", code="task_not_found")
+        failures = [
+            {"request_id": r.request_id, "layer": layer}
+            for r in records
+            if (layer := observed_failure(RequestCost(request_usage(r)))) is not None
+        ]
+        return {
+            "object": "task",
+            "task_id": task_id,
+            "outcome": asdict(outcome) if outcome else None,
+            "requests": [usage_json(r) for r in records],
+            "observed_failures": failures,
+        }
+
     @app.get("/admin/report")
     async def admin_report(
         raw: Request,

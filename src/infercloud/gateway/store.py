@@ -450,6 +450,24 @@ class Store:
         with self.engine.begin() as conn:
             conn.execute(statement)
 
+    def task_usage(self, tenant: str, task_id: str) -> list[UsageRecord]:
+        """The usage records of one task, oldest first."""
+        query = (
+            sa.select(usage_records)
+            .where(usage_records.c.tenant == tenant, usage_records.c.task_id == task_id)
+            .order_by(usage_records.c.created_at_s, usage_records.c.request_id)
+        )
+        with self.engine.connect() as conn:
+            return [UsageRecord(**r._mapping) for r in conn.execute(query)]
+
+    def outcome(self, tenant: str, task_id: str) -> OutcomeRecord | None:
+        query = sa.select(task_outcomes).where(
+            task_outcomes.c.tenant == tenant, task_outcomes.c.task_id == task_id
+        )
+        with self.engine.connect() as conn:
+            row = conn.execute(query).first()
+        return OutcomeRecord(**row._mapping) if row else None
+
     def outcomes(self, tenant: str | None = None) -> list[OutcomeRecord]:
         query = sa.select(task_outcomes)
         if tenant is not None:
