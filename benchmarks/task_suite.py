@@ -40,8 +40,12 @@ from typing import Any
 import httpx
 import openai
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from tests.conftest import EngineServer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_throughput import Server
+
+ROOT = Path(__file__).resolve().parent.parent
+INFERCLOUD = ROOT / ".venv" / "bin" / "infercloud"
+PORT = 8402
 
 ADMIN = "ic-admin-task-suite"
 MODEL = "SmolLM2-135M-Instruct"
@@ -281,18 +285,19 @@ def main() -> int:
         path = data / "deploy.yaml"
         path.write_text(json.dumps(config))  # JSON is YAML
         serve_args += ["--config", str(path)]
-    server = EngineServer(serve_args, command="serve", timeout_s=600)
+    cmd = [str(INFERCLOUD), "serve", "--port", str(PORT), *serve_args]
+    server = Server(cmd, PORT, {}, data / "gateway.log", 600.0)
     try:
         key = httpx.post(
-            server.base_url + "/admin/keys",
+            server.url + "/admin/keys",
             json={"tenant": "suite"},
             headers={"authorization": f"Bearer {ADMIN}"},
         ).json()["key"]
         since = time.time()
-        results = asyncio.run(run_suite(server.base_url, key, tasks, args.concurrency))
+        results = asyncio.run(run_suite(server.url, key, tasks, args.concurrency))
         until = time.time()
         report = httpx.get(
-            server.base_url + "/admin/report",
+            server.url + "/admin/report",
             params={"since": since, "until": until, "by": "config"},
             headers={"authorization": f"Bearer {ADMIN}"},
             timeout=120,
