@@ -19,26 +19,54 @@ from infercloud.engine.scheduler import ScheduledChunk
 
 class StepMeter:
     def __init__(
-        self, kv_cache: KVCacheManager, block_bytes: int, weights: StepCostWeights
+        self,
+        kv_cache: KVCacheManager,
+        block_bytes: int,
+        weights: StepCostWeights,
+        refresh_steps: int = 1,
     ) -> None:
+        """`refresh_steps`: how many steps a request's share of the KV pool is reused while its
+        block table keeps its length (1: recounted every step, as the engine does; the
+        simulator, whose steps cost nothing, recounts less often: a request's share changes
+        only when its table grows or others start or stop sharing its prefix)."""
         self.kv_cache = kv_cache
         self.block_bytes = block_bytes
         self.weights = weights
+        self.refresh_steps = max(1, refresh_steps)
+        self._step = 0
+        self._shares: dict[str, tuple[int, int, float]] = {}
+        """request id -> (table length, step counted, bytes held)."""
 
     def held(self, running: Iterable[Request]) -> list[tuple[Request, float]]:
         """KV bytes each of `running` holds now."""
-        pool = self.kv_cache.block_pool
-        cache = self.kv_cache.prefix_cache
+        self._step += 1
+        shares: dict[str, tuple[int, int, float]] = {}
         out: list[tuple[Request, float]] = []
         for request in running:
-            share = 0.0
-            for block in self.kv_cache.block_table(request.request_id):
-                holders = pool.ref_count(block)
-                if cache is not None and cache.node_of(block) is not None:
-                    holders -= 1
-                share += 1.0 / max(1, holders)
-            out.append((request, share * self.block_bytes))
+            rid = request.request_id
+            table = self.kv_cache.block_table(rid)
+            known = self._shares.get(rid)
+            if (
+                known is None
+                or known[0] != len(table)
+                or self._step - known[1] >= self.refresh_steps
+            ):
+                known = (len(table), self._step, self._count(table))
+            shares[rid] = known
+            out.append((request, known[2]))
+        self._shares = shares
         return out
+
+    def _count(self, table: Sequence[int]) -> float:
+        pool = self.kv_cache.block_pool
+        cache = self.kv_cache.prefix_cache
+        share = 0.0
+        for block in table:
+            holders = pool.ref_count(block)
+            if cache is not None and cache.node_of(block) is not None:
+                holders -= 1
+            share += 1.0 / max(1, holders)
+        return share * self.block_bytes
 
     def charge(
         self,

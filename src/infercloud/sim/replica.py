@@ -54,6 +54,10 @@ class _Live:
     answer: list[int] | None
 
 
+SHARE_REFRESH_STEPS = 16
+"""Steps a request's KV share is reused while its table keeps its length (`StepMeter`)."""
+
+
 class SimReplica:
     def __init__(
         self,
@@ -93,7 +97,10 @@ class SimReplica:
             self.kv_cache.second_tier = SecondTier(HostTier(host_blocks), _NoCopy(), cost)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, set())
         self.meter = StepMeter(
-            self.kv_cache, block_size * perf.kv_bytes_per_token, step_weights or StepCostWeights(0)
+            self.kv_cache,
+            block_size * perf.kv_bytes_per_token,
+            step_weights or StepCostWeights(0),
+            refresh_steps=SHARE_REFRESH_STEPS,
         )
         """Each request's share of the modelled step time and KV held, as the engine meters."""
         self.on_token = on_token
