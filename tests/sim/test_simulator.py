@@ -152,6 +152,23 @@ def test_the_simulated_fleet_keeps_the_platforms_ledger() -> None:
     assert roomy["ledger"]["terms_usd"]["non_reusable_context_usd"] == 0
 
 
+@pytest.mark.parametrize("admission", [None, Admission(max_inflight_per_replica=3, max_queued=50)])
+def test_decode_runs_change_nothing_but_the_event_count(admission: Admission | None) -> None:
+    """Runs of decode steps taken as one event give the very same report as stepping one by
+    one: every token at the same time, the same cache, the same costs."""
+    reqs = shared_prefix_groups(6.0, 200, 4, 1024, (16, 512), (8, 256), seed=3)
+    pools = [Pool(hardware="l4", replicas=2, kv_cache_bytes="2GiB")]
+    fleet = _fleet(pools=pools, admission=admission)
+    one = Simulation(fleet, reqs, decode_runs=False).run()
+    runs = Simulation(fleet, reqs, decode_runs=True).run()
+    assert runs["sim_decode_runs"] > 0 and runs["sim_events"] < one["sim_events"]
+    for key in ("mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms", "output_throughput",
+                "prefix_cache_hit_rate", "num_preemptions", "completed", "num_shed"):  # fmt: skip
+        assert runs[key] == pytest.approx(one[key], rel=1e-9, abs=1e-12), key
+    for term, usd in one["ledger"]["terms_usd"].items():
+        assert runs["ledger"]["terms_usd"][term] == pytest.approx(usd, rel=0.02, abs=1e-9), term
+
+
 def test_traces_load_with_shared_prefixes_and_time_scaling() -> None:
     mooncake = load_trace(TRACES / "mooncake_synthetic.jsonl", token_scale=1 / 16)
     assert len(mooncake) == 3993

@@ -84,6 +84,7 @@ class KVCacheManager:
     """Grows, reads and frees the block table of each request."""
 
     __slots__ = (
+        "_cache_tail",
         "_cached_upto",
         "_hit",
         "_tables",
@@ -115,6 +116,8 @@ class KVCacheManager:
         """Blocks of each table already offered to the prefix cache."""
         self._hit: set[str] = set()
         """Requests that started from a cached prefix."""
+        self._cache_tail: dict[str, CacheNode] = {}
+        """Where each request's walk down the prefix cache ended, to resume there."""
 
     @property
     def num_available_blocks(self) -> int:
@@ -263,10 +266,15 @@ class KVCacheManager:
         if full <= self._cached_upto.get(request_id, 0):
             return
         table = self._tables.get(request_id, [])
-        cache.insert(
+        tail = self._cache_tail.get(request_id)
+        if tail is None or not cache.holds(tail) or tail.depth > full:
+            tail = cache.root_of(salt)
+        bs = self.block_size
+        _, self._cache_tail[request_id] = cache.insert_from(
+            tail,
             salt,
-            token_ids(0, full * self.block_size),
-            table[:full],
+            token_ids(tail.depth * bs, full * bs),
+            table[tail.depth : full],
             now_s,
             extends_hit=request_id in self._hit,
         )
@@ -282,6 +290,7 @@ class KVCacheManager:
         """
         table = self._tables.pop(request_id, None)
         self._cached_upto.pop(request_id, None)
+        self._cache_tail.pop(request_id, None)
         self._hit.discard(request_id)
         if not table:
             return

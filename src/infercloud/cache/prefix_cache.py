@@ -203,8 +203,27 @@ class PrefixCache:
         A block whose prefix is already cached (another request computed it first) is left to
         its request, which frees it when done.
         """
+        return self.insert_from(self._root(salt), salt, token_ids, block_ids, now_s, extends_hit)[0]
+
+    def holds(self, node: CacheNode) -> bool:
+        """Whether `node` is still in the tree (a node, once removed, never comes back)."""
+        if node.block_id < 0:
+            return self._roots.get(node.salt) is node
+        return self._by_block.get(node.block_id) is node
+
+    def insert_from(
+        self,
+        node: CacheNode,
+        salt: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        now_s: float,
+        extends_hit: bool = False,
+    ) -> tuple[int, CacheNode]:
+        """`insert`, starting below `node` (in the tree, under `salt`): `token_ids` and
+        `block_ids` continue the prefix `node` ends. Returns how many blocks were new and the
+        node the walk ended at, to resume from when the request's next block fills."""
         bs = self.block_size
-        node = self._root(salt)
         stored: list[int] = []
         parent_hash: int | None = None
         for i in range(min(len(block_ids), len(token_ids) // bs)):
@@ -231,7 +250,7 @@ class PrefixCache:
             node = child
         if stored and self.on_event is not None:
             self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
-        return len(stored)
+        return len(stored), node
 
     # -- eviction ------------------------------------------------------------------------------
 
@@ -282,6 +301,10 @@ class PrefixCache:
         elif not parent.children:
             del self._roots[node.salt]
         return node
+
+    def root_of(self, salt: str) -> CacheNode:
+        """The root of `salt`'s tree (made if it has none)."""
+        return self._root(salt)
 
     def _root(self, salt: str) -> CacheNode:
         root = self._roots.get(salt)

@@ -268,6 +268,56 @@ class Scheduler:
             updates.append(FinishedUpdate(request, token_id, status is not None))
         return updates
 
+    # -- runs of decode steps (the simulator's fast path) ----------------------------------------
+
+    def decode_run_length(self, max_steps: int) -> int:
+        """How many decode steps the running batch can take back to back with nothing changing
+        but its tokens: nobody waiting, every running request one token behind (decoding),
+        none able to stop inside the run (no stop or EOS tokens to watch; each stops after it
+        at the earliest), and free blocks for all of it (no eviction, no preemption). Then
+        `advance_decode_run` takes those steps at once, exactly as `schedule` and
+        `update_from_output` would one by one. 0 when the batch is not such a run."""
+        if max_steps < 2 or self.waiting or not self.running:
+            return 0
+        if len(self.running) > self.config.max_num_batched_tokens:
+            return 0
+        steps = max_steps
+        for r in self.running:
+            if r.num_tokens - r.num_computed_tokens != 1:
+                return 0
+            p = r.sampling_params
+            if p.stop_token_ids or (not p.ignore_eos and self.eos_token_ids):
+                return 0
+            left = r.max_total_tokens - r.num_tokens
+            if p.max_tokens is not None:
+                left = min(left, p.max_tokens - r.num_output_tokens)
+            steps = min(steps, left - 1)  # its last token comes from an ordinary step
+            if steps < 2:
+                return 0
+        need = sum(
+            self.kv_cache.num_new_blocks_needed(r.request_id, r.num_computed_tokens + steps)
+            for r in self.running
+        )
+        return steps if need <= self.kv_cache.block_pool.num_free_blocks else 0
+
+    def advance_decode_run(
+        self, steps: int, token_ids: dict[str, list[int]], now_s: float
+    ) -> list[Request]:
+        """Take `steps` decode steps of the running batch (`decode_run_length` said they can
+        run): each request computes `steps` tokens and gets `token_ids[id]` (that many) as its
+        output; full blocks are cached once, at the end. Returns the requests advanced."""
+        advanced = list(self.running)
+        for r in advanced:
+            target = r.num_computed_tokens + steps
+            if not self.kv_cache.allocate_slots(r.request_id, target, now_s):
+                raise RuntimeError("advance_decode_run without the blocks decode_run_length saw")
+            r.num_computed_tokens = target
+            r.output_token_ids.extend(token_ids[r.request_id])
+            self.kv_cache.cache_blocks(
+                r.request_id, r.cache_salt, r.token_ids_range, r.num_computed_tokens, now_s
+            )
+        return advanced
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
         num_output = request.num_output_tokens

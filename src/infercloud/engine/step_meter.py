@@ -10,6 +10,7 @@ charges each holder its bytes x the step's time (`request_meter`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.request import Request
@@ -25,10 +26,11 @@ class StepMeter:
         weights: StepCostWeights,
         refresh_steps: int = 1,
     ) -> None:
-        """`refresh_steps`: how many steps a request's share of the KV pool is reused while its
-        block table keeps its length (1: recounted every step, as the engine does; the
-        simulator, whose steps cost nothing, recounts less often: a request's share changes
-        only when its table grows or others start or stop sharing its prefix)."""
+        """`refresh_steps`: how many calls of `held` a request's count of the KV pool is reused
+        for (1: recounted every step, as the engine does; the simulator, whose steps cost
+        nothing, recounts less often). Blocks a table gained since its count are added at once:
+        they are freshly allocated, held by that request alone; what a count can miss in between
+        is others starting or stopping to share a request's cached prefix."""
         self.kv_cache = kv_cache
         self.block_bytes = block_bytes
         self.weights = weights
@@ -48,10 +50,14 @@ class StepMeter:
             known = self._shares.get(rid)
             if (
                 known is None
-                or known[0] != len(table)
+                or len(table) < known[0]
                 or self._step - known[1] >= self.refresh_steps
             ):
                 known = (len(table), self._step, self._count(table))
+            elif len(table) > known[0]:
+                # blocks added since: freshly allocated, so held by this request alone
+                grown = (len(table) - known[0]) * self.block_bytes
+                known = (len(table), known[1], known[2] + grown)
             shares[rid] = known
             out.append((request, known[2]))
         self._shares = shares
@@ -79,3 +85,25 @@ class StepMeter:
             chunk.request.meter.charge_chunk(chunk.start, chunk.num_tokens, chunk_s)
         for request, held_bytes in held:
             request.meter.kv_byte_s += held_bytes * step_s
+
+    def charge_decode_run(
+        self,
+        requests: Sequence[Request],
+        starts: Sequence[int],
+        steps_s: Any,
+        held: Sequence[tuple[Request, float]],
+    ) -> None:
+        """Charge a run of decode steps (step j computes token `start + j` of each request and
+        lasts `steps_s[j]`, a numpy array) as `charge` would step by step: each step split by
+        the same work weights, each holder its bytes x the run's time."""
+        import numpy as np
+
+        steps = len(steps_s)
+        tokens = np.asarray(starts, dtype=float)[:, None] + np.arange(steps)[None, :]
+        work = 1.0 + self.weights.attention_pair_tokens * (tokens + 1.0)
+        shares = (work / work.sum(axis=0) * np.asarray(steps_s)[None, :]).sum(axis=1)
+        for request, start, chunk_s in zip(requests, starts, shares.tolist(), strict=True):
+            request.meter.charge_chunk(start, steps, chunk_s)
+        total_s = float(np.sum(steps_s))
+        for request, held_bytes in held:
+            request.meter.kv_byte_s += held_bytes * total_s

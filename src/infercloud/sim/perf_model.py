@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
+import numpy as np
+
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.model_specs import ModelSpec
 
@@ -129,11 +131,35 @@ class PerfModel:
         comm_s = work.comm_bytes / (d.interconnect_gbps * 1e9) if work.comm_bytes else 0.0
         host_s = work.host_bytes / (d.host_link_gbps * 1e9) if work.host_bytes else 0.0
         fixed_s = e.overhead_s + e.per_seq_s * work.num_seqs
-        roof_s = max(compute_s, memory_s) + (1.0 - e.overlap) * min(compute_s, memory_s)
+        if isinstance(compute_s, np.ndarray) or isinstance(memory_s, np.ndarray):
+            hi, lo = np.maximum(compute_s, memory_s), np.minimum(compute_s, memory_s)
+        else:
+            hi, lo = max(compute_s, memory_s), min(compute_s, memory_s)
+        roof_s = hi + (1.0 - e.overlap) * lo
         return fixed_s + roof_s + comm_s + host_s
 
     def step_s(self, shape: StepShape) -> float:
         return self.time_of(self.work(shape))
+
+    def decode_run_s(self, starts: Sequence[int], steps: int) -> Any:
+        """The times of `steps` decode steps in a row of requests whose next token to compute
+        is at `starts` (step j computes token `start + j` of each), as a numpy array: each the
+        same as `step_s` of that step's shape. A decode step's work is affine in j (attention
+        pairs and KV read grow by one token per request per step), so it is taken from the
+        first two steps' and priced all at once."""
+        first = self.work(StepShape(tuple((s, 1) for s in starts), len(starts)))
+        second = self.work(StepShape(tuple((s + 1, 1) for s in starts), len(starts)))
+        j = np.arange(steps, dtype=float)
+        run = StepWork(
+            first.linear_flops,
+            first.attention_flops + j * (second.attention_flops - first.attention_flops),  # type: ignore[arg-type]
+            first.weight_bytes,
+            first.kv_bytes + j * (second.kv_bytes - first.kv_bytes),  # type: ignore[arg-type]
+            first.comm_bytes,
+            first.host_bytes,
+            first.num_seqs,
+        )
+        return self.time_of(run)
 
     def host_copy_s_per_block(self) -> float:
         return self.block_size * self.kv_bytes_per_token / (self.device.host_link_gbps * 1e9)

@@ -15,8 +15,11 @@ the scheduler returned the chunks.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import make_policy
@@ -27,7 +30,11 @@ from infercloud.cache.transfer_cost import TransferCostModel
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampling_params import SamplingParams
-from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from infercloud.engine.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+)
 from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.events import FINISH, STEP, EventLoop
@@ -54,6 +61,8 @@ class _Live:
     answer: list[int] | None
 
 
+MAX_RUN_STEPS = 256
+"""The most decode steps taken as one event."""
 SHARE_REFRESH_STEPS = 16
 """Steps a request's KV share is reused while its table keeps its length (`StepMeter`)."""
 
@@ -73,7 +82,11 @@ class SimReplica:
         on_token: TokenCallback,
         on_kv_event: Callable[[str, CacheEvent], None] | None = None,
         step_weights: StepCostWeights | None = None,
+        next_external_s: Callable[[], float] | None = None,
     ) -> None:
+        """`next_external_s`: the earliest time something outside could hand this replica a
+        request (the next arrival); until then a run of pure decode steps is taken as one
+        event (`Scheduler.decode_run_length`). None: every step is an event."""
         if num_blocks < 1:
             raise ValueError(f"replica {name}: the KV pool holds no block (is the model too big?)")
         self.name = name
@@ -104,6 +117,8 @@ class SimReplica:
         )
         """Each request's share of the modelled step time and KV held, as the engine meters."""
         self.on_token = on_token
+        self.next_external_s = next_external_s
+        self.num_decode_runs = 0
         self._live: dict[str, _Live] = {}
         self._busy = False
         self.busy_s = 0.0
@@ -140,6 +155,10 @@ class SimReplica:
             self.loop.at(self.loop.now_s, self._step, STEP)
 
     def _step(self) -> None:
+        if self.next_external_s is not None:
+            steps = self.scheduler.decode_run_length(MAX_RUN_STEPS)
+            if steps >= 2 and self._decode_run(steps):
+                return
         second = self.kv_cache.second_tier
         loaded_before = second.num_loaded_blocks if second else 0
         output = self.scheduler.schedule(self.loop.now_s)
@@ -163,10 +182,54 @@ class SimReplica:
         self.num_steps += 1
         self.loop.after(duration_s, lambda: self._complete(output, sampled), FINISH)
 
-    def _next_token(self, request: Request) -> int:
+    def _next_token(self, request: Request, ahead: int = 0) -> int:
         answer = self._live[request.request_id].answer
-        k = request.num_output_tokens
+        k = request.num_output_tokens + ahead
         return answer[k] if answer is not None and k < len(answer) else FIRST_TOKEN_ID
+
+    def _decode_run(self, max_steps: int) -> bool:
+        """Up to `max_steps` decode steps as one event, as many as end before the next
+        external event; False (nothing done) when fewer than 2 fit. Each step is priced, metered
+        and its tokens delivered at its own end time, as in `_step`."""
+        assert self.next_external_s is not None
+        bound = self.next_external_s()
+        now = self.loop.now_s
+        running = list(self.scheduler.running)
+        starts = [r.num_computed_tokens for r in running]
+        # decode steps only grow longer: the first one's time bounds how many can fit
+        first_s = self.perf.step_s(StepShape(tuple((s, 1) for s in starts), len(running)))
+        if first_s <= 0 or now + 2 * first_s > bound:
+            return False
+        if math.isfinite(bound):
+            max_steps = min(max_steps, int((bound - now) / first_s) + 1)
+        durations = self.perf.decode_run_s(starts, max_steps)
+        # the same additions, in the same order, as stepping one event at a time
+        ends_all = np.cumsum(np.concatenate(([now], durations)))[1:]
+        steps = int(np.searchsorted(ends_all, bound, side="right"))
+        if steps < 2:
+            return False
+        durations = durations[:steps]
+        ends = ends_all[:steps].tolist()
+        t = ends[-1]
+        self.meter.charge_decode_run(running, starts, durations, self.meter.held(running))
+        second = self.kv_cache.second_tier
+        if second is not None:
+            for j, duration_s in enumerate(durations.tolist()):
+                pairs = sum(s + j + 1 for s in starts)
+                second.cost.observe_step(len(running), pairs, duration_s)
+        tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in running}
+        self.busy_s += t - now
+        self.num_steps += steps
+        self.num_decode_runs += 1
+        self.loop.after(t - now, lambda: self._complete_run(steps, tokens, ends), FINISH)
+        return True
+
+    def _complete_run(self, steps: int, tokens: dict[str, list[int]], ends: list[float]) -> None:
+        advanced = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
+        for end in ends:
+            for request in advanced:
+                self.on_token(request, end, False)
+        self._step()
 
     def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         now = self.loop.now_s

@@ -63,12 +63,18 @@ class Simulation:
         catalog: HardwareCatalog | None = None,
         spec: ModelSpec | None = None,
         progress: bool = False,
+        decode_runs: bool = True,
     ) -> None:
+        """`decode_runs`: take runs of pure decode steps between arrivals as one event each
+        (the same steps, times and tokens; `SimReplica._decode_run`), or every step as one."""
         self.fleet = fleet
         self.requests = list(requests)
         self.catalog = catalog or HardwareCatalog.load()
         self.spec = spec or model_spec(fleet.model)
         self.progress = progress
+        self.decode_runs = decode_runs
+        self._arrival_times = sorted(r.arrival_s for r in self.requests)
+        self._num_arrived = 0
         self.loop = EventLoop()
         self.tokens = TokenSource(self.spec.vocab_size)
         self.max_model_len = fleet.max_model_len or self.spec.max_model_len
@@ -129,6 +135,7 @@ class Simulation:
                     self._on_token,
                     self._on_kv_event,
                     weights,
+                    self._next_external_s if self.decode_runs else None,
                 )
                 usd = price.usd_per_hour * pool.tensor_parallel if price else None
                 self._pooled.append(
@@ -154,7 +161,17 @@ class Simulation:
 
     # -- the request path ----------------------------------------------------------------------
 
+    def _next_external_s(self) -> float:
+        """The earliest time a replica could be handed a request it does not have: the next
+        arrival, or now while admission holds queued requests (any finish may start one)."""
+        if self.admission is not None and self.admission.num_queued > 0:
+            return self.loop.now_s
+        if self._num_arrived < len(self._arrival_times):
+            return self._arrival_times[self._num_arrived]
+        return float("inf")
+
     def _arrive(self, request: SimRequest) -> None:
+        self._num_arrived += 1
         flight = _Flight(request)
         now = self.loop.now_s
         smallest_pool = min(p.replica.num_blocks for p in self._pooled) * self.fleet.block_size
@@ -305,6 +322,7 @@ class Simulation:
         report["num_shed"] = self.num_shed
         report["num_expired"] = self.num_expired
         report["num_preemptions"] = sum(p.replica.scheduler.num_preemptions for p in self._pooled)
+        report["sim_decode_runs"] = sum(p.replica.num_decode_runs for p in self._pooled)
         report["replicas"] = [
             {
                 "name": p.replica.name,
