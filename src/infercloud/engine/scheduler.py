@@ -274,7 +274,7 @@ class Scheduler:
         """How many decode steps the running batch can take back to back with nothing changing
         but its tokens: nobody waiting, every running request one token behind (decoding),
         none able to stop inside the run (no stop or EOS tokens to watch; each stops after it
-        at the earliest), and free blocks for all of it (no eviction, no preemption). Then
+        at the earliest), and blocks for all of it, free or evictable (no preemption). Then
         `advance_decode_run` takes those steps at once, exactly as `schedule` and
         `update_from_output` would one by one. 0 when the batch is not such a run."""
         if max_steps < 2 or self.waiting or not self.running:
@@ -298,14 +298,15 @@ class Scheduler:
             self.kv_cache.num_new_blocks_needed(r.request_id, r.num_computed_tokens + steps)
             for r in self.running
         )
-        return steps if need <= self.kv_cache.block_pool.num_free_blocks else 0
+        return steps if need <= self.kv_cache.num_available_blocks else 0
 
     def advance_decode_run(
         self, steps: int, token_ids: dict[str, list[int]], now_s: float
     ) -> list[Request]:
         """Take `steps` decode steps of the running batch (`decode_run_length` said they can
         run): each request computes `steps` tokens and gets `token_ids[id]` (that many) as its
-        output; full blocks are cached once, at the end. Returns the requests advanced."""
+        output; full blocks are cached, and idle cached blocks evicted for room, once, at the
+        end. Returns the requests advanced."""
         advanced = list(self.running)
         for r in advanced:
             target = r.num_computed_tokens + steps
