@@ -385,10 +385,12 @@ class Gateway:
 
         now = self.wall_clock()
         for dep in self.config.models:
-            for rs_state in self.replica_sets[dep.name].states:
+            for position, rs_state in enumerate(self.replica_sets[dep.name].states):
                 name = rs_state.name
-                index = int(name.rsplit("/", 1)[1]) if "/" in name else 0
-                spec = dep.replicas[index] if index < len(dep.replicas) else dep.replicas[0]
+                # `<model>/<index in the config>` (launchers and upstreams name them so)
+                suffix = name.rsplit("/", 1)[-1]
+                index = int(suffix) if suffix.isdigit() else position
+                spec = dep.replicas[min(index, len(dep.replicas) - 1)]
                 kv_bytes = parse_bytes(spec.builtin.kv_cache_bytes) if spec.builtin else 0
                 hw = spec.hardware
                 span = SpanRecord(
