@@ -149,3 +149,47 @@ def test_tree_and_pool_invariants_under_random_traffic(
     for rid in list(open_requests):
         kv.free(rid)
     assert kv.num_available_blocks == cache.pool.num_blocks
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "free", "evict"]),
+            st.integers(0, 5),
+            st.integers(1, 30),
+        ),
+        max_size=80,
+    )
+)
+def test_lru_standing_ranking_evicts_as_ranking_everything_each_time(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """LRU ranks candidates once, as they become candidates (`static_priorities`); the same
+    traffic on a cache that ranks every candidate at each eviction evicts the same blocks in
+    the same order."""
+    caches = [make(num_blocks=14), make(num_blocks=14)]
+    caches[1][1]._static = False  # the general path: rank all candidates at every eviction
+    open_requests: list[str] = []
+    for step, (op, which, length) in enumerate(ops):
+        now = float(step)
+        evicted = []
+        for kv, cache, _ in caches:
+            if op == "add":
+                tokens = [which * 100 + (i % 5) for i in range(length)]
+                cached = kv.match("", tokens)
+                ok = kv.allocate_slots(f"r{step}", length, now, cached)
+                if ok:
+                    kv.cache_blocks(f"r{step}", "", lambda a, b, t=tokens: t[a:b], length, now)
+            elif op == "free" and open_requests:
+                kv.free(open_requests[which % len(open_requests)])
+            elif op == "evict":
+                evicted.append([n.block_id for n in cache.evict(which + 1, now)])
+            cache.check_invariants()
+        if op == "add" and ok:
+            open_requests.append(f"r{step}")
+        elif op == "free" and open_requests:
+            open_requests.pop(which % len(open_requests))
+        if evicted:
+            assert evicted[0] == evicted[1]
+        assert [e.block_hashes for e in caches[0][2]] == [e.block_hashes for e in caches[1][2]]

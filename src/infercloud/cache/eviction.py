@@ -96,6 +96,10 @@ class EvictionPolicy(Protocol):
 
 class LRUPolicy:
     name = "lru"
+    static_priorities = True
+    """A block's priority cannot change while it is idle (only a use changes its last access,
+    and a block in use is not a candidate), so the cache may rank candidates once, as they
+    become candidates, instead of at every eviction."""
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
         # Ties (blocks of one request, stored together) go to the deepest first, so that a

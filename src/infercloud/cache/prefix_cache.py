@@ -113,6 +113,11 @@ class PrefixCache:
         self._by_block: dict[int, CacheNode] = {}
         self._candidates: set[int] = set()
         """Block ids of idle leaves."""
+        self._static = bool(getattr(policy, "static_priorities", False))
+        self._ranked: list[tuple[float, int, int]] = []
+        """With a static policy: (priority, block, version) of candidates as they became
+        candidates, a heap; entries whose block left the candidates since are skipped."""
+        self._version = [0] * pool.num_blocks
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
@@ -179,12 +184,34 @@ class PrefixCache:
     def release(self, block_ids: Sequence[int]) -> None:
         """A request drops its blocks; cached ones stay in the tree (idle if nobody uses them)."""
         self.pool.release(list(block_ids))
+        new: list[int] = []
         for block in block_ids:
             node = self._by_block.get(block)
             if node is not None and self.pool.ref_count(block) == 1:
                 self.num_idle += 1
                 if not node.children:
-                    self._candidates.add(block)
+                    new.append(block)
+        self._add_candidates(new)
+
+    def _add_candidates(self, blocks: list[int]) -> None:
+        if not blocks:
+            return
+        self._candidates.update(blocks)
+        if not self._static:
+            return
+        ids = np.array(blocks, dtype=np.int64)
+        # static priorities do not depend on the time (`LRUPolicy.static_priorities`)
+        priorities = self.policy.priorities(self.stats, ids, 0.0).tolist()
+        for block, priority in zip(blocks, priorities, strict=True):
+            self._version[block] += 1
+            heapq.heappush(self._ranked, (priority, block, self._version[block]))
+        if len(self._ranked) > 4 * len(self._candidates) + 1024:
+            self._ranked = [e for e in self._ranked if self._live(e)]
+            heapq.heapify(self._ranked)
+
+    def _live(self, entry: tuple[float, int, int]) -> bool:
+        _, block, version = entry
+        return block in self._candidates and self._version[block] == version
 
     def insert(
         self,
@@ -263,6 +290,35 @@ class PrefixCache:
         evicted: list[CacheNode] = []
         if num_blocks <= 0 or not self._candidates:
             return evicted
+        if self._static:
+            self._evict_ranked(num_blocks, evicted)
+        else:
+            self._evict_ranking(num_blocks, now_s, evicted)
+        if self.on_event is not None:
+            for salt in dict.fromkeys(n.salt for n in evicted):
+                hashes = tuple(n.block_hash for n in evicted if n.salt == salt)
+                self.on_event(CacheEvent("removed", hashes, None, salt, now_s))
+        self.num_evicted_blocks += len(evicted)
+        return evicted
+
+    def _evict_ranked(self, num_blocks: int, evicted: list[CacheNode]) -> None:
+        """Static priorities: pop the standing ranking (parents that become candidates join it
+        as `_remove` adds them), the same greedy order as ranking all candidates now."""
+        ranked = self._ranked
+        while ranked and len(evicted) < num_blocks:
+            entry = heapq.heappop(ranked)
+            if not self._live(entry):
+                continue
+            node = self._by_block[entry[1]]
+            evicted.append(self._remove(node))
+            self._remember_evicted(node)
+
+    def _remember_evicted(self, node: CacheNode) -> None:
+        self.recently_evicted[node.block_hash] = None
+        if len(self.recently_evicted) > EVICTED_HASHES_KEPT:
+            self.recently_evicted.popitem(last=False)
+
+    def _evict_ranking(self, num_blocks: int, now_s: float, evicted: list[CacheNode]) -> None:
         candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
         priorities = self.policy.priorities(self.stats, candidates, now_s)
         heap = list(zip(priorities.tolist(), candidates.tolist(), strict=True))
@@ -272,19 +328,11 @@ class PrefixCache:
             node = self._by_block[block]
             parent = node.parent
             evicted.append(self._remove(node))
-            self.recently_evicted[node.block_hash] = None
-            if len(self.recently_evicted) > EVICTED_HASHES_KEPT:
-                self.recently_evicted.popitem(last=False)
+            self._remember_evicted(node)
             if parent is not None and parent.block_id in self._candidates:
                 one = np.array([parent.block_id], dtype=np.int64)
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])
                 heapq.heappush(heap, (priority, parent.block_id))
-        if self.on_event is not None:
-            for salt in dict.fromkeys(n.salt for n in evicted):
-                hashes = tuple(n.block_hash for n in evicted if n.salt == salt)
-                self.on_event(CacheEvent("removed", hashes, None, salt, now_s))
-        self.num_evicted_blocks += len(evicted)
-        return evicted
 
     def _remove(self, node: CacheNode) -> CacheNode:
         block = node.block_id
@@ -297,7 +345,7 @@ class PrefixCache:
         self.pool.release([block])
         if parent.block_id >= 0:
             if not parent.children and self.pool.ref_count(parent.block_id) == 1:
-                self._candidates.add(parent.block_id)
+                self._add_candidates([parent.block_id])
         elif not parent.children:
             del self._roots[node.salt]
         return node
