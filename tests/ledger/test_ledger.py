@@ -192,3 +192,19 @@ def test_the_platform_attributes_what_it_saw(
         "r", "t", "m0", "m0/0", 0.0, outcome, status=status, error=error, failed_attempts=failed
     )
     assert observed_failure(RequestCost(usage)) == layer
+
+
+def test_periods_resolve_and_refuse_what_is_not_a_time() -> None:
+    from infercloud.ledger.period import resolve_period
+
+    now = 1_764_720_000.0  # 2025-12-03 00:00 UTC
+    assert resolve_period("all", None, None, now) == (0.0, now)
+    assert resolve_period("day", None, None, now + 3600) == (now, now + 3600)
+    assert resolve_period("all", "2025-12-03T00:00:00", "1764723600", now)[0] == now
+    for bad in ("nan", "inf", "yesterday"):
+        with pytest.raises(ValueError, match="not a time"):
+            resolve_period("all", bad, None, now)
+    with pytest.raises(ValueError, match="ends before"):
+        resolve_period("all", "10", "5", now)
+    with pytest.raises(ValueError, match="period must be"):
+        resolve_period("week", None, None, now)

@@ -4,6 +4,7 @@ bounds given as epoch seconds or ISO 8601."""
 from __future__ import annotations
 
 import datetime as dt
+import math
 
 PERIODS = ("all", "hour", "day", "month")
 
@@ -11,9 +12,13 @@ PERIODS = ("all", "hour", "day", "month")
 def parse_instant(text: str) -> float:
     """Epoch seconds, or an ISO 8601 time (UTC unless it says otherwise)."""
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         pass
+    else:
+        if not math.isfinite(value):
+            raise ValueError(f"not a time: {text!r}")
+        return value
     try:
         t = dt.datetime.fromisoformat(text)
     except ValueError:
