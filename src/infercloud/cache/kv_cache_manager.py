@@ -34,7 +34,7 @@ from typing import Protocol
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.host_tier import HostEntry, HostTier
-from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, chain_hash, salt_hash
+from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache
 from infercloud.cache.transfer_cost import TransferCostModel
 
 
@@ -137,19 +137,16 @@ class KVCacheManager:
         second = self.second_tier
         if second is None or not len(second.tier):
             return PrefixHit(device)
-        bs = self.block_size
         host: list[HostEntry] = []
-        parent = device[-1].block_hash if device else salt_hash(salt)
-        first = len(device) * bs
-        for start in range(first, max(0, max_tokens) // bs * bs, bs):
-            key = tuple(token_ids[start : start + bs])
-            block_hash = chain_hash(parent, key)
+        for parent, key, block_hash in self.prefix_cache.blocks_after(
+            salt, token_ids, device, max_tokens
+        ):
             entry = second.tier.lookup(salt, parent, key, block_hash)
             if entry is None:
                 break
             host.append(entry)
-            parent = block_hash
         if host and not second.always_load:
+            first = len(device) * self.block_size
             del host[second.cost.blocks_worth_loading(first, len(host)) :]
         return PrefixHit(device, host)
 

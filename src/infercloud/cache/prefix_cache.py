@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -149,6 +149,19 @@ class PrefixCache:
             node = child
         return nodes
 
+    def blocks_after(
+        self, salt: str, token_ids: Sequence[int], hit: Sequence[CacheNode], max_tokens: int
+    ) -> Iterator[tuple[int, tuple[int, ...], int]]:
+        """(parent hash, token ids, block hash) of each full block of `token_ids` after the
+        prefix `hit`, up to `max_tokens`: the names those blocks have or had in this cache."""
+        bs = self.block_size
+        parent = hit[-1].block_hash if hit else salt_hash(salt)
+        for start in range(len(hit) * bs, max(0, max_tokens) // bs * bs, bs):
+            key = tuple(token_ids[start : start + bs])
+            block_hash = chain_hash(parent, key)
+            yield parent, key, block_hash
+            parent = block_hash
+
     def num_evicted_after(
         self, salt: str, token_ids: Sequence[int], hit: Sequence[CacheNode], max_tokens: int
     ) -> int:
@@ -156,14 +169,11 @@ class PrefixCache:
         has evicted (consecutive full blocks whose prefix hash is among the recently evicted)."""
         if not self.recently_evicted:
             return 0
-        bs = self.block_size
-        parent = hit[-1].block_hash if hit else salt_hash(salt)
         count = 0
-        for start in range(len(hit) * bs, max(0, max_tokens) // bs * bs, bs):
-            parent = chain_hash(parent, tuple(token_ids[start : start + bs]))
-            if parent not in self.recently_evicted:
+        for _, _, block_hash in self.blocks_after(salt, token_ids, hit, max_tokens):
+            if block_hash not in self.recently_evicted:
                 break
-            count += bs
+            count += self.block_size
         return count
 
     def num_idle_among(self, nodes: Iterable[CacheNode]) -> int:
@@ -213,25 +223,6 @@ class PrefixCache:
         _, block, version = entry
         return block in self._candidates and self._version[block] == version
 
-    def insert(
-        self,
-        salt: str,
-        token_ids: Sequence[int],
-        block_ids: Sequence[int],
-        now_s: float,
-        extends_hit: bool = False,
-    ) -> int:
-        """Cache the full blocks of a request's computed prefix; returns how many were new.
-
-        `extends_hit`: the request started from a cached prefix (the policy learns how often
-        such extensions are reused, apart from freshly stored prompts).
-
-        `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
-        A block whose prefix is already cached (another request computed it first) is left to
-        its request, which frees it when done.
-        """
-        return self.insert_from(self._root(salt), salt, token_ids, block_ids, now_s, extends_hit)[0]
-
     def holds(self, node: CacheNode) -> bool:
         """Whether `node` is still in the tree (a node, once removed, never comes back)."""
         if node.block_id < 0:
@@ -247,9 +238,18 @@ class PrefixCache:
         now_s: float,
         extends_hit: bool = False,
     ) -> tuple[int, CacheNode]:
-        """`insert`, starting below `node` (in the tree, under `salt`): `token_ids` and
-        `block_ids` continue the prefix `node` ends. Returns how many blocks were new and the
-        node the walk ended at, to resume from when the request's next block fills."""
+        """Cache the full blocks of a request's computed prefix below `node` (in the tree,
+        under `salt`; the root for a whole prompt): `token_ids` and `block_ids` continue the
+        prefix `node` ends. Returns how many blocks were new and the node the walk ended at, to
+        resume from when the request's next block fills.
+
+        `extends_hit`: the request started from a cached prefix (the policy learns how often
+        such extensions are reused, apart from freshly stored prompts).
+
+        `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
+        A block whose prefix is already cached (another request computed it first) is left to
+        its request, which frees it when done.
+        """
         bs = self.block_size
         stored: list[int] = []
         parent_hash: int | None = None
@@ -352,9 +352,6 @@ class PrefixCache:
 
     def root_of(self, salt: str) -> CacheNode:
         """The root of `salt`'s tree (made if it has none)."""
-        return self._root(salt)
-
-    def _root(self, salt: str) -> CacheNode:
         root = self._roots.get(salt)
         if root is None:
             root = CacheNode((), -1, salt_hash(salt), None, 0, salt)

@@ -27,7 +27,12 @@ from infercloud.engine.config import EngineConfig
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
 from infercloud.engine.model_config import ModelConfig
-from infercloud.engine.model_runner import ModelRunner, num_kv_blocks_for_bytes, resolve_dtype
+from infercloud.engine.model_runner import (
+    ModelRunner,
+    kv_block_bytes,
+    num_kv_blocks_for_bytes,
+    resolve_dtype,
+)
 from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
@@ -151,8 +156,7 @@ class LLMEngine:
         self.step_weights = StepCostWeights.for_model(
             mc.hidden_size, mc.intermediate_size, mc.num_kv_heads, mc.head_dim
         )
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.kv_block_bytes = config.block_size * mc.kv_bytes_per_token * elem
+        self.kv_block_bytes = kv_block_bytes(mc, config.block_size, dtype)
         self.step_meter = StepMeter(self.kv_cache, self.kv_block_bytes, self.step_weights)
 
     def _second_tier(self, config: EngineConfig, num_blocks: int) -> SecondTier | None:

@@ -47,11 +47,15 @@ class StepResult:
     sampler_output: SamplerOutput
 
 
+def kv_block_bytes(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of keys and values one KV block holds, in all layers."""
+    return block_size * config.kv_bytes_per_token * torch.empty((), dtype=dtype).element_size()
+
+
 def num_kv_blocks_for_bytes(
     config: ModelConfig, kv_cache_bytes: int, block_size: int, dtype: torch.dtype
 ) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return kv_cache_bytes // (block_size * config.kv_bytes_per_token * elem)
+    return kv_cache_bytes // kv_block_bytes(config, block_size, dtype)
 
 
 class ModelRunner:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.request import Request
 from infercloud.engine.request_meter import StepCostWeights, split_step
@@ -96,8 +98,6 @@ class StepMeter:
         """Charge a run of decode steps (step j computes token `start + j` of each request and
         lasts `steps_s[j]`, a numpy array) as `charge` would step by step: each step split by
         the same work weights, each holder its bytes x the run's time."""
-        import numpy as np
-
         steps = len(steps_s)
         tokens = np.asarray(starts, dtype=float)[:, None] + np.arange(steps)[None, :]
         work = 1.0 + self.weights.attention_pair_tokens * (tokens + 1.0)

@@ -381,6 +381,7 @@ class Gateway:
     # -- replica spans (what the fleet costs: `ledger`) ----------------------------------------
 
     def _open_spans(self) -> None:
+        from infercloud.ledger.cost import kv_usd_per_hour
         from infercloud.units import parse_bytes
 
         now = self.wall_clock()
@@ -399,8 +400,8 @@ class Gateway:
                     model=dep.name,
                     hardware=hw.name,
                     usd_per_hour=hw.price_per_hour,
-                    kv_usd_per_hour=min(
-                        hw.price_per_hour, kv_bytes / 2**30 * hw.memory_usd_per_gib_hour
+                    kv_usd_per_hour=kv_usd_per_hour(
+                        hw.price_per_hour, kv_bytes, hw.memory_usd_per_gib_hour
                     ),
                     kv_cache_bytes=kv_bytes,
                     started_at_s=now,
@@ -1119,14 +1120,8 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
         record = OutcomeRecord(
             tenant=caller.tenant,
             task_id=task_id,
-            success=body.success,
-            verifier=body.verifier,
-            tool_calls=body.tool_calls,
-            retries=body.retries,
-            blamed_layer=body.blamed_layer,
-            config=body.config,
-            detail=body.detail,
             reported_at_s=gateway.wall_clock(),
+            **body.model_dump(),
         )
         await asyncio.to_thread(gateway.store.put_outcome, record)
         return {"object": "task.outcome", **asdict(record)}

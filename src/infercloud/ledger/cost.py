@@ -46,6 +46,13 @@ TERMS = (
 """The five terms, in the order of docs/DESIGN's cost formula."""
 
 
+def kv_usd_per_hour(
+    usd_per_hour: float, kv_cache_bytes: int, memory_usd_per_gib_hour: float
+) -> float:
+    """The part of a replica's price that is its KV pool's memory (at most all of it)."""
+    return min(usd_per_hour, kv_cache_bytes / 2**30 * memory_usd_per_gib_hour)
+
+
 @dataclass(frozen=True, slots=True)
 class ReplicaSpan:
     """A replica up (and paid for) from `start_s` to `end_s`."""

@@ -6,12 +6,13 @@ A span still open is up until now if its gateway renewed it recently (within
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from infercloud.gateway.store import OutcomeRecord, SpanRecord, Store, UsageRecord
 from infercloud.ledger.cost import ReplicaSpan, RequestUsage, build_ledger
 from infercloud.ledger.plans import PlanBook
-from infercloud.ledger.report import build_report
+from infercloud.ledger.report import build_report, request_rows
 from infercloud.ledger.tasks import TaskOutcome
 
 SPAN_RENEW_S = 10.0
@@ -69,18 +70,7 @@ def replica_span(s: SpanRecord, now_s: float) -> ReplicaSpan:
 
 
 def task_outcome(o: OutcomeRecord) -> TaskOutcome:
-    return TaskOutcome(
-        tenant=o.tenant,
-        task_id=o.task_id,
-        success=o.success,
-        verifier=o.verifier,
-        tool_calls=o.tool_calls,
-        retries=o.retries,
-        blamed_layer=o.blamed_layer,
-        config=o.config,
-        detail=o.detail,
-        reported_at_s=o.reported_at_s,
-    )
+    return TaskOutcome(**asdict(o))
 
 
 def report_from_store(
@@ -93,8 +83,6 @@ def report_from_store(
     with_requests: bool = False,
 ) -> dict[str, Any]:
     """The report of `[since_s, until_s)` from what the store holds (`ledger.report`)."""
-    from infercloud.ledger.report import request_rows
-
     usages = [request_usage(r) for r in store.usage(since_s=since_s, until_s=until_s)]
     spans = [replica_span(s, now_s) for s in store.spans(since_s, until_s)]
     outcomes = {(o.tenant, o.task_id): task_outcome(o) for o in store.outcomes()}

@@ -17,6 +17,8 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from infercloud.ledger.cost import TERMS, RequestCost
 
 LAYERS = ("model", "context", "runtime", "hardware", "routing", "verifier")
@@ -127,8 +129,6 @@ def summarize_tasks(
 
 def task_figures(tasks: list[TaskSummary]) -> dict[str, object]:
     """Cost per successful task and its companions for a group of tasks."""
-    import numpy as np
-
     n = len(tasks)
     succeeded = sum(1 for t in tasks if t.outcome is not None and t.outcome.success)
     reported = sum(1 for t in tasks if t.outcome is not None)

@@ -30,11 +30,7 @@ from infercloud.cache.transfer_cost import TransferCostModel
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampling_params import SamplingParams
-from infercloud.engine.scheduler import (
-    Scheduler,
-    SchedulerConfig,
-    SchedulerOutput,
-)
+from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.events import FINISH, STEP, EventLoop
@@ -214,9 +210,9 @@ class SimReplica:
         self.meter.charge_decode_run(running, starts, durations, self.meter.held(running))
         second = self.kv_cache.second_tier
         if second is not None:
+            n, first_pairs = len(running), sum(starts) + len(running)
             for j, duration_s in enumerate(durations.tolist()):
-                pairs = sum(s + j + 1 for s in starts)
-                second.cost.observe_step(len(running), pairs, duration_s)
+                second.cost.observe_step(n, first_pairs + n * j, duration_s)
         tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in running}
         self.busy_s += t - now
         self.num_steps += steps

@@ -343,12 +343,12 @@ class Simulation:
         """The platform's cost ledger over the run: every replica paid from the first arrival
         to the end, each request charged its share of the modelled steps (`ledger.cost`)."""
         from infercloud.gateway.config import MEMORY_USD_PER_GIB_HOUR
-        from infercloud.ledger.cost import ReplicaSpan, build_ledger
+        from infercloud.ledger.cost import ReplicaSpan, build_ledger, kv_usd_per_hour
 
         spans = []
         for p in self._pooled:
             usd = p.usd_per_hour or 0.0
-            kv_usd = min(usd, p.kv_cache_bytes / 2**30 * MEMORY_USD_PER_GIB_HOUR)
+            kv_usd = kv_usd_per_hour(usd, p.kv_cache_bytes, MEMORY_USD_PER_GIB_HOUR)
             spans.append(
                 ReplicaSpan(
                     p.replica.name, self.fleet.model, p.hardware, usd, kv_usd,
