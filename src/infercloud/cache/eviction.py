@@ -78,6 +78,25 @@ class BlockStats:
         self.origin[block] = origin
         self.origin_stored[origin] += 1
 
+    def record_inserts(
+        self, blocks: list[int], depths: list[int], keys: list[int], origin: int, now_s: float
+    ) -> None:
+        """`record_insert` for each of `blocks` (with its depth and key), one array write each
+        for a long list."""
+        if len(blocks) < 8:
+            for block, depth, key in zip(blocks, depths, keys, strict=True):
+                self.record_insert(block, depth, key, origin, now_s)
+            return
+        index = np.array(blocks, dtype=np.int64)
+        self.inserted_s[index] = now_s
+        self.last_access_s[index] = now_s
+        self.num_hits[index] = 0
+        self.depth[index] = depths
+        self.waiting[index] = 0
+        self.key[index] = keys
+        self.origin[index] = origin
+        self.origin_stored[origin] += len(blocks)
+
     def record_hit(self, block: int, now_s: float) -> None:
         if self.num_hits[block] == 0:
             self.origin_reused[self.origin[block]] += 1
@@ -105,6 +124,10 @@ class LRUPolicy:
         # Ties (blocks of one request, stored together) go to the deepest first, so that a
         # shared prefix outlives the private tails that hang from it.
         return stats.last_access_s[candidates] - 1e-9 * stats.depth[candidates]
+
+    def priority(self, stats: BlockStats, block: int) -> float:
+        """`priorities` of one block, the very same float (to rank candidates one by one)."""
+        return float(stats.last_access_s.item(block) - 1e-9 * stats.depth.item(block))
 
 
 @dataclass(frozen=True, slots=True)

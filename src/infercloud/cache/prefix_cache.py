@@ -114,6 +114,10 @@ class PrefixCache:
         self._candidates: set[int] = set()
         """Block ids of idle leaves."""
         self._static = bool(getattr(policy, "static_priorities", False))
+        self._priority: Callable[[BlockStats, int], float] | None = getattr(
+            policy, "priority", None
+        )
+        """A static policy's priority of one block (the same float `priorities` gives)."""
         self._ranked: list[tuple[float, int, int]] = []
         """With a static policy: (priority, block, version) of candidates as they became
         candidates, a heap; entries whose block left the candidates since are skipped."""
@@ -209,14 +213,19 @@ class PrefixCache:
         self._candidates.update(blocks)
         if not self._static:
             return
-        ids = np.array(blocks, dtype=np.int64)
         # static priorities do not depend on the time (`LRUPolicy.static_priorities`)
-        priorities = self.policy.priorities(self.stats, ids, 0.0).tolist()
-        for block, priority in zip(blocks, priorities, strict=True):
-            self._version[block] += 1
-            heapq.heappush(self._ranked, (priority, block, self._version[block]))
-        if len(self._ranked) > 4 * len(self._candidates) + 1024:
-            self._ranked = [e for e in self._ranked if self._live(e)]
+        priority = self._priority
+        if priority is not None and len(blocks) < 16:
+            priorities = [priority(self.stats, block) for block in blocks]
+        else:
+            ids = np.array(blocks, dtype=np.int64)
+            priorities = self.policy.priorities(self.stats, ids, 0.0).tolist()
+        version, ranked = self._version, self._ranked
+        for block, p in zip(blocks, priorities, strict=True):
+            version[block] += 1
+            heapq.heappush(ranked, (p, block, version[block]))
+        if len(ranked) > 4 * len(self._candidates) + 1024:
+            self._ranked = [e for e in ranked if self._live(e)]
             heapq.heapify(self._ranked)
 
     def _live(self, entry: tuple[float, int, int]) -> bool:
@@ -251,32 +260,37 @@ class PrefixCache:
         its request, which frees it when done.
         """
         bs = self.block_size
+        by_block = self._by_block
+        retain = self.pool.retain
         stored: list[int] = []
+        blocks: list[int] = []
+        depths: list[int] = []
         parent_hash: int | None = None
         for i in range(min(len(block_ids), len(token_ids) // bs)):
             key = tuple(token_ids[i * bs : (i + 1) * bs])
             child = node.children.get(key)
             if child is None:
                 block = block_ids[i]
-                if block in self._by_block:
+                if block in by_block:
                     break  # this block already caches another prefix; keep the tree consistent
-                child = CacheNode(
-                    key, block, chain_hash(node.block_hash, key), node, node.depth + 1, salt
-                )
+                depth = node.depth + 1
+                child = CacheNode(key, block, chain_hash(node.block_hash, key), node, depth, salt)
                 if not node.children and node.block_id >= 0:
                     self._candidates.discard(node.block_id)
                 node.children[key] = child
-                self._by_block[block] = child
-                self.pool.retain(block)
-                self.stats.record_insert(
-                    block, child.depth, child.block_hash, EXTENSION if extends_hit else FRESH, now_s
-                )
+                by_block[block] = child
+                retain(block)
                 if not stored:
                     parent_hash = node.block_hash if node.block_id >= 0 else None
                 stored.append(child.block_hash)
+                blocks.append(block)
+                depths.append(depth)
             node = child
-        if stored and self.on_event is not None:
-            self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
+        if stored:
+            origin = EXTENSION if extends_hit else FRESH
+            self.stats.record_inserts(blocks, depths, stored, origin, now_s)
+            if self.on_event is not None:
+                self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
         return len(stored), node
 
     # -- eviction ------------------------------------------------------------------------------

@@ -65,6 +65,11 @@ class StepMeter:
         self._shares = shares
         return out
 
+    def advance(self, steps: int) -> None:
+        """`steps` steps ran without their own reading of `held` (a run of decode steps read
+        once at its start): counts read before them age by as many steps."""
+        self._step += max(0, steps)
+
     def _count(self, table: Sequence[int]) -> float:
         pool = self.kv_cache.block_pool
         cache = self.kv_cache.prefix_cache
@@ -94,16 +99,23 @@ class StepMeter:
         starts: Sequence[int],
         steps_s: Any,
         held: Sequence[tuple[Request, float]],
+        table_blocks: Sequence[int],
     ) -> None:
         """Charge a run of decode steps (step j computes token `start + j` of each request and
         lasts `steps_s[j]`, a numpy array) as `charge` would step by step: each step split by
-        the same work weights, each holder its bytes x the run's time."""
+        the same work weights; each holder its bytes x the run's time, plus the blocks its
+        table gains during the run (`table_blocks`: its length when `held` was read), held
+        alone from the step that allocates them, as `held` counts them."""
         steps = len(steps_s)
-        tokens = np.asarray(starts, dtype=float)[:, None] + np.arange(steps)[None, :]
-        work = 1.0 + self.weights.attention_pair_tokens * (tokens + 1.0)
-        shares = (work / work.sum(axis=0) * np.asarray(steps_s)[None, :]).sum(axis=1)
+        step_s = np.asarray(steps_s, dtype=float)
+        computed = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(1, steps + 1)[None, :]
+        work = 1.0 + self.weights.attention_pair_tokens * computed
+        shares = (work / work.sum(axis=0) * step_s[None, :]).sum(axis=1)
         for request, start, chunk_s in zip(requests, starts, shares.tolist(), strict=True):
             request.meter.charge_chunk(start, steps, chunk_s)
-        total_s = float(np.sum(steps_s))
-        for request, held_bytes in held:
-            request.meter.kv_byte_s += held_bytes * total_s
+        bs = self.kv_cache.block_size
+        grown = np.maximum(0, -(-computed // bs) - np.asarray(table_blocks)[:, None])
+        grown_byte_s = (grown * step_s[None, :]).sum(axis=1) * self.block_bytes
+        total_s = float(step_s.sum())
+        for (request, held_bytes), extra in zip(held, grown_byte_s.tolist(), strict=True):
+            request.meter.kv_byte_s += held_bytes * total_s + extra

@@ -63,15 +63,20 @@ class KVIndex:
         """Apply KV events in the engine's `/kv_events` format."""
         if reset:
             self.forget(replica)
-        blocks = self._of(replica)
         for e in events:
-            tier = blocks.host if e.get("medium") == "host" else blocks.device
             hashes = e.get("block_hashes") or []
             assert isinstance(hashes, list)
-            if e.get("type") == "BlockStored":
-                tier.update(int(h) for h in hashes)
-            else:
-                tier.difference_update(int(h) for h in hashes)
+            stored = e.get("type") == "BlockStored"
+            self.record(replica, stored, [int(h) for h in hashes], e.get("medium") == "host")
+
+    def record(self, replica: str, stored: bool, hashes: Iterable[int], host: bool) -> None:
+        """One event, already parsed: `hashes` stored on (or removed from) a tier."""
+        blocks = self._of(replica)
+        tier = blocks.host if host else blocks.device
+        if stored:
+            tier.update(hashes)
+        else:
+            tier.difference_update(hashes)
 
     def learn(self, replica: str, hashes: Sequence[int], now_s: float) -> None:
         learned = self._of(replica).learned

@@ -9,13 +9,18 @@ finish exactly where the workload says. The second tier's copies cost their byte
 host link, and its transfer-cost model is fed the simulated step and copy times, so the real
 load-or-recompute decision runs on simulated measurements.
 
-Invariants: at most one step is in flight; a step's updates apply at its end time, in the order
-the scheduler returned the chunks.
+A run of pure decode steps is one event (`_Run`): priced at once, applied when something reads
+the replica (`sync`, before every routing decision) and at its end, and cut after the step in
+flight when a request joins, so that every token, block and report figure is the one stepping
+one event at a time gives.
+
+Invariants: at most one step (or run) is in flight; a step's updates apply at its end time, in
+the order the scheduler returned the chunks; a run's steps apply in order, none twice.
 """
 
 from __future__ import annotations
 
-import math
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,13 +32,13 @@ from infercloud.cache.host_tier import HostTier
 from infercloud.cache.kv_cache_manager import KVCacheManager, SecondTier
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
 from infercloud.cache.transfer_cost import TransferCostModel
-from infercloud.engine.request import Request, RequestStatus
+from infercloud.engine.request import Request
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
-from infercloud.sim.events import FINISH, STEP, EventLoop
+from infercloud.sim.events import FINISH, STEP, Event, EventLoop
 from infercloud.sim.perf_model import PerfModel
 from infercloud.sim.workload import FIRST_TOKEN_ID
 
@@ -63,6 +68,24 @@ SHARE_REFRESH_STEPS = 16
 """Steps a request's KV share is reused while its table keeps its length (`StepMeter`)."""
 
 
+@dataclass(slots=True, eq=False)
+class _Run:
+    """A run of decode steps in flight: `steps` steps of the batch `running`, step j ending at
+    `ends_s[j]`; the first `applied` are applied to the scheduler and their tokens delivered.
+    A request that joins during the run cuts it after the step in flight (`SimReplica.add`)."""
+
+    running: list[Request]
+    starts: list[int]
+    durations_s: np.ndarray
+    ends_s: list[float]
+    held: list[tuple[Request, float]]
+    table_blocks: list[int]
+    start_s: float
+    event: Event
+    steps: int
+    applied: int = 0
+
+
 class SimReplica:
     def __init__(
         self,
@@ -78,11 +101,10 @@ class SimReplica:
         on_token: TokenCallback,
         on_kv_event: Callable[[str, CacheEvent], None] | None = None,
         step_weights: StepCostWeights | None = None,
-        next_external_s: Callable[[], float] | None = None,
+        decode_runs: bool = True,
     ) -> None:
-        """`next_external_s`: the earliest time something outside could hand this replica a
-        request (the next arrival); until then a run of pure decode steps is taken as one
-        event (`Scheduler.decode_run_length`). None: every step is an event."""
+        """`decode_runs`: a run of pure decode steps (`Scheduler.decode_run_length`) is one
+        event, cut short when a request joins; False: every step is an event."""
         if num_blocks < 1:
             raise ValueError(f"replica {name}: the KV pool holds no block (is the model too big?)")
         self.name = name
@@ -113,8 +135,9 @@ class SimReplica:
         )
         """Each request's share of the modelled step time and KV held, as the engine meters."""
         self.on_token = on_token
-        self.next_external_s = next_external_s
+        self.decode_runs = decode_runs
         self.num_decode_runs = 0
+        self._run: _Run | None = None
         self._live: dict[str, _Live] = {}
         self._busy = False
         self.busy_s = 0.0
@@ -146,14 +169,17 @@ class SimReplica:
         )
         self._live[request_id] = _Live(request, answer)
         self.scheduler.add_request(request)
+        if self._run is not None:
+            self._cut_run()
         if not self._busy:
             self._busy = True
             self.loop.at(self.loop.now_s, self._step, STEP)
 
     def _step(self) -> None:
-        if self.next_external_s is not None:
+        if self.decode_runs:
             steps = self.scheduler.decode_run_length(MAX_RUN_STEPS)
-            if steps >= 2 and self._decode_run(steps):
+            if steps >= 2:
+                self._start_run(steps)
                 return
         second = self.kv_cache.second_tier
         loaded_before = second.num_loaded_blocks if second else 0
@@ -183,48 +209,70 @@ class SimReplica:
         k = request.num_output_tokens + ahead
         return answer[k] if answer is not None and k < len(answer) else FIRST_TOKEN_ID
 
-    def _decode_run(self, max_steps: int) -> bool:
-        """Up to `max_steps` decode steps as one event, as many as end before the next
-        external event; False (nothing done) when fewer than 2 fit. Each step is priced, metered
-        and its tokens delivered at its own end time, as in `_step`."""
-        assert self.next_external_s is not None
-        bound = self.next_external_s()
+    # -- runs of decode steps -------------------------------------------------------------------
+
+    def _start_run(self, steps: int) -> None:
+        """Take `steps` decode steps as one event: each step priced (in one numpy pass), its
+        tokens delivered at its own end time, as stepping one event at a time would."""
         now = self.loop.now_s
         running = list(self.scheduler.running)
         starts = [r.num_computed_tokens for r in running]
-        # decode steps only grow longer: the first one's time bounds how many can fit
-        first_s = self.perf.step_s(StepShape(tuple((s, 1) for s in starts), len(running)))
-        if first_s <= 0 or now + 2 * first_s > bound:
-            return False
-        if math.isfinite(bound):
-            max_steps = min(max_steps, int((bound - now) / first_s) + 1)
-        durations = self.perf.decode_run_s(starts, max_steps)
+        durations = self.perf.decode_run_s(starts, steps)
         # the same additions, in the same order, as stepping one event at a time
-        ends_all = np.cumsum(np.concatenate(([now], durations)))[1:]
-        steps = int(np.searchsorted(ends_all, bound, side="right"))
-        if steps < 2:
-            return False
-        durations = durations[:steps]
-        ends = ends_all[:steps].tolist()
-        t = ends[-1]
-        self.meter.charge_decode_run(running, starts, durations, self.meter.held(running))
-        second = self.kv_cache.second_tier
-        if second is not None:
-            n, first_pairs = len(running), sum(starts) + len(running)
-            for j, duration_s in enumerate(durations.tolist()):
-                second.cost.observe_step(n, first_pairs + n * j, duration_s)
-        tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in running}
-        self.busy_s += t - now
-        self.num_steps += steps
-        self.num_decode_runs += 1
-        self.loop.after(t - now, lambda: self._complete_run(steps, tokens, ends), FINISH)
-        return True
+        ends = np.cumsum(np.concatenate(([now], durations)))[1:].tolist()
+        event = self.loop.at(ends[-1], self._finish_run, FINISH)
+        held = self.meter.held(running)
+        tables = [len(self.kv_cache.block_table(r.request_id)) for r in running]
+        self._run = _Run(running, starts, durations, ends, held, tables, now, event, steps)
 
-    def _complete_run(self, steps: int, tokens: dict[str, list[int]], ends: list[float]) -> None:
+    def sync(self) -> None:
+        """Apply the steps of the run in flight that have ended by now (the cache and the KV
+        events then say what they would say stepping one by one)."""
+        run = self._run
+        if run is not None:
+            done = bisect_right(run.ends_s, self.loop.now_s, run.applied, run.steps)
+            if done > run.applied:
+                self._apply(run, done)
+
+    def _cut_run(self) -> None:
+        """A request joined: the run stops after the step in flight (stepping one by one, the
+        next step would schedule it)."""
+        run = self._run
+        assert run is not None
+        self.sync()
+        keep = run.applied + 1
+        if keep < run.steps:
+            run.steps = keep
+            run.event.cancel()
+            run.event = self.loop.at(run.ends_s[keep - 1], self._finish_run, FINISH)
+
+    def _apply(self, run: _Run, upto: int) -> None:
+        steps = upto - run.applied
+        tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in run.running}
         advanced = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
-        for end in ends:
+        for end in run.ends_s[run.applied : upto]:
             for request in advanced:
                 self.on_token(request, end, False)
+        run.applied = upto
+
+    def _finish_run(self) -> None:
+        run = self._run
+        assert run is not None
+        self._run = None
+        self._apply(run, run.steps)
+        durations = run.durations_s[: run.steps]
+        self.meter.charge_decode_run(
+            run.running, run.starts, durations, run.held, run.table_blocks
+        )
+        second = self.kv_cache.second_tier
+        if second is not None:
+            n, first_pairs = len(run.running), sum(run.starts) + len(run.running)
+            for j, duration_s in enumerate(durations.tolist()):
+                second.cost.observe_step(n, first_pairs + n * j, duration_s)
+        self.meter.advance(run.steps - 1)
+        self.busy_s += run.ends_s[run.steps - 1] - run.start_s
+        self.num_steps += run.steps
+        self.num_decode_runs += 1
         self._step()
 
     def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
@@ -235,7 +283,3 @@ class SimReplica:
                 self._live.pop(rid, None)
             self.on_token(update.request, now, update.finished)
         self._step()
-
-    def abort(self, request_id: str) -> None:
-        self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-        self._live.pop(request_id, None)

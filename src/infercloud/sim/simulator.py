@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infercloud.cache.prefix_cache import CacheEvent
 from infercloud.engine.request import Request
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.scheduler import SchedulerConfig
@@ -65,16 +66,14 @@ class Simulation:
         progress: bool = False,
         decode_runs: bool = True,
     ) -> None:
-        """`decode_runs`: take runs of pure decode steps between arrivals as one event each
-        (the same steps, times and tokens; `SimReplica._decode_run`), or every step as one."""
+        """`decode_runs`: take runs of pure decode steps as one event each (the same steps,
+        times and tokens; `SimReplica._start_run`), or every step as one."""
         self.fleet = fleet
         self.requests = list(requests)
         self.catalog = catalog or HardwareCatalog.load()
         self.spec = spec or model_spec(fleet.model)
         self.progress = progress
         self.decode_runs = decode_runs
-        self._arrival_times = sorted(r.arrival_s for r in self.requests)
-        self._num_arrived = 0
         self.loop = EventLoop()
         self.tokens = TokenSource(self.spec.vocab_size)
         self.max_model_len = fleet.max_model_len or self.spec.max_model_len
@@ -135,7 +134,7 @@ class Simulation:
                     self._on_token,
                     self._on_kv_event,
                     weights,
-                    self._next_external_s if self.decode_runs else None,
+                    self.decode_runs,
                 )
                 usd = price.usd_per_hour * pool.tensor_parallel if price else None
                 self._pooled.append(
@@ -156,22 +155,13 @@ class Simulation:
             else None
         )
 
-    def _on_kv_event(self, replica: str, event: Any) -> None:
-        self.replica_set.index.apply(replica, [event.as_dict()], reset=False)
+    def _on_kv_event(self, replica: str, event: CacheEvent) -> None:
+        stored = event.kind == "stored"
+        self.replica_set.index.record(replica, stored, event.block_hashes, event.medium == "host")
 
     # -- the request path ----------------------------------------------------------------------
 
-    def _next_external_s(self) -> float:
-        """The earliest time a replica could be handed a request it does not have: the next
-        arrival, or now while admission holds queued requests (any finish may start one)."""
-        if self.admission is not None and self.admission.num_queued > 0:
-            return self.loop.now_s
-        if self._num_arrived < len(self._arrival_times):
-            return self._arrival_times[self._num_arrived]
-        return float("inf")
-
     def _arrive(self, request: SimRequest) -> None:
-        self._num_arrived += 1
         flight = _Flight(request)
         now = self.loop.now_s
         smallest_pool = min(p.replica.num_blocks for p in self._pooled) * self.fleet.block_size
@@ -213,6 +203,8 @@ class Simulation:
     def _dispatch(self, flight: _Flight) -> None:
         r = flight.request
         flight.prompt_ids = self.tokens.prompt(r)
+        for p in self._pooled:  # the router reads their caches as of now
+            p.replica.sync()
         route = self.replica_set.route(
             r.request_id, flight.prompt_ids, r.tenant, r.session, self.loop.now_s
         )
