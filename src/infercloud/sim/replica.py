@@ -261,9 +261,7 @@ class SimReplica:
         self._run = None
         self._apply(run, run.steps)
         durations = run.durations_s[: run.steps]
-        self.meter.charge_decode_run(
-            run.running, run.starts, durations, run.held, run.table_blocks
-        )
+        self.meter.charge_decode_run(run.running, run.starts, durations, run.held, run.table_blocks)
         second = self.kv_cache.second_tier
         if second is not None:
             n, first_pairs = len(run.running), sum(run.starts) + len(run.running)
