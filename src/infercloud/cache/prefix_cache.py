@@ -21,6 +21,8 @@ Invariants (tested with hypothesis):
   reference count >= 1 (the tree's);
 - `num_idle` equals the number of nodes whose block's reference count is exactly 1, and each idle
   leaf is in the candidate set;
+- a block with two references or more is in the tree (requests share blocks only through it,
+  and it gives up only idle blocks), which the ledger's meter relies on;
 - `match` returns only nodes under the root of the salt asked for.
 """
 
@@ -214,19 +216,26 @@ class PrefixCache:
         if not self._static:
             return
         # static priorities do not depend on the time (`LRUPolicy.static_priorities`)
-        priority = self._priority
-        if priority is not None and len(blocks) < 16:
-            priorities = [priority(self.stats, block) for block in blocks]
+        ranked = self._ranked
+        if self._priority is not None and len(blocks) < 16:
+            for block in blocks:
+                heapq.heappush(ranked, self._rank(block))
         else:
             ids = np.array(blocks, dtype=np.int64)
             priorities = self.policy.priorities(self.stats, ids, 0.0).tolist()
-        version, ranked = self._version, self._ranked
-        for block, p in zip(blocks, priorities, strict=True):
-            version[block] += 1
-            heapq.heappush(ranked, (p, block, version[block]))
+            version = self._version
+            for block, p in zip(blocks, priorities, strict=True):
+                version[block] += 1
+                heapq.heappush(ranked, (p, block, version[block]))
         if len(ranked) > 4 * len(self._candidates) + 1024:
             self._ranked = [e for e in ranked if self._live(e)]
             heapq.heapify(self._ranked)
+
+    def _rank(self, block: int) -> tuple[float, int, int]:
+        """A new ranking entry for a candidate (a static policy with a scalar priority)."""
+        assert self._priority is not None
+        self._version[block] += 1
+        return (self._priority(self.stats, block), block, self._version[block])
 
     def _live(self, entry: tuple[float, int, int]) -> bool:
         _, block, version = entry
@@ -317,15 +326,38 @@ class PrefixCache:
 
     def _evict_ranked(self, num_blocks: int, evicted: list[CacheNode]) -> None:
         """Static priorities: pop the standing ranking (parents that become candidates join it
-        as `_remove` adds them), the same greedy order as ranking all candidates now."""
+        as `_remove` adds them), the same greedy order as ranking all candidates now. A parent
+        whose entry would be the next one popped is evicted at once, without the round trip
+        through the heap (a request's chain of blocks goes leaf to root)."""
         ranked = self._ranked
         while ranked and len(evicted) < num_blocks:
             entry = heapq.heappop(ranked)
             if not self._live(entry):
                 continue
             node = self._by_block[entry[1]]
-            evicted.append(self._remove(node))
-            self._remember_evicted(node)
+            if self._priority is None:
+                evicted.append(self._remove(node))
+                self._remember_evicted(node)
+                continue
+            while True:
+                parent = node.parent
+                evicted.append(self._remove(node, rank_parent=False))
+                self._remember_evicted(node)
+                assert parent is not None
+                if (
+                    parent.block_id < 0
+                    or parent.children
+                    or self.pool.ref_count(parent.block_id) != 1
+                ):
+                    break
+                entry = self._rank(parent.block_id)
+                if len(evicted) < num_blocks and (not ranked or entry < ranked[0]):
+                    self._candidates.add(parent.block_id)
+                    node = parent
+                    continue
+                self._candidates.add(parent.block_id)
+                heapq.heappush(ranked, entry)
+                break
 
     def _remember_evicted(self, node: CacheNode) -> None:
         self.recently_evicted[node.block_hash] = None
@@ -348,7 +380,9 @@ class PrefixCache:
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])
                 heapq.heappush(heap, (priority, parent.block_id))
 
-    def _remove(self, node: CacheNode) -> CacheNode:
+    def _remove(self, node: CacheNode, rank_parent: bool = True) -> CacheNode:
+        """Take an idle leaf out of the tree; a parent left an idle leaf becomes a candidate
+        (`rank_parent`; else the caller ranks it)."""
         block = node.block_id
         parent = node.parent
         assert parent is not None and not node.children
@@ -358,7 +392,7 @@ class PrefixCache:
         self.num_idle -= 1
         self.pool.release([block])
         if parent.block_id >= 0:
-            if not parent.children and self.pool.ref_count(parent.block_id) == 1:
+            if rank_parent and not parent.children and self.pool.ref_count(parent.block_id) == 1:
                 self._add_candidates([parent.block_id])
         elif not parent.children:
             del self._roots[node.salt]
@@ -391,3 +425,5 @@ class PrefixCache:
                 root = root.parent
             assert self._roots.get(node.salt) is root
         assert idle == self.num_idle
+        shared = (b for b in range(pool.num_blocks) if pool.ref_count(b) >= 2)
+        assert all(b in self._by_block for b in shared), "a block shared outside the tree"

@@ -273,10 +273,11 @@ class Scheduler:
     def decode_run_length(self, max_steps: int) -> int:
         """How many decode steps the running batch can take back to back with nothing changing
         but its tokens: nobody waiting, every running request one token behind (decoding),
-        none able to stop inside the run (no stop or EOS tokens to watch; each stops after it
-        at the earliest), and blocks for all of it, free or evictable (no preemption). Then
-        `advance_decode_run` takes those steps at once, exactly as `schedule` and
-        `update_from_output` would one by one. 0 when the batch is not such a run."""
+        none able to stop before the run's last step (no stop or EOS tokens to watch; each
+        stops at its length, at the end of the run at the earliest), and blocks for all of it,
+        free or evictable (no preemption). Then `advance_decode_run` takes those steps at
+        once, exactly as `schedule` and `update_from_output` would one by one. 0 when the batch
+        is not such a run."""
         if max_steps < 2 or self.waiting or not self.running:
             return 0
         if len(self.running) > self.config.max_num_batched_tokens:
@@ -291,7 +292,7 @@ class Scheduler:
             left = r.max_total_tokens - r.num_tokens
             if p.max_tokens is not None:
                 left = min(left, p.max_tokens - r.num_output_tokens)
-            steps = min(steps, left - 1)  # its last token comes from an ordinary step
+            steps = min(steps, left)
             if steps < 2:
                 return 0
         need = sum(
@@ -302,22 +303,28 @@ class Scheduler:
 
     def advance_decode_run(
         self, steps: int, token_ids: dict[str, list[int]], now_s: float
-    ) -> list[Request]:
-        """Take `steps` decode steps of the running batch (`decode_run_length` said they can
-        run): each request computes `steps` tokens and gets `token_ids[id]` (that many) as its
+    ) -> list[FinishedUpdate]:
+        """Take `steps` decode steps of the running batch (at most what `decode_run_length`
+        said): each request computes `steps` tokens and gets `token_ids[id]` (that many) as its
         output; full blocks are cached, and idle cached blocks evicted for room, once, at the
-        end. Returns the requests advanced."""
-        advanced = list(self.running)
-        for r in advanced:
+        end; a request whose last token ends it (its length) finishes, as in
+        `update_from_output`. Returns each request advanced, with its last token."""
+        updates: list[FinishedUpdate] = []
+        for r in list(self.running):
             target = r.num_computed_tokens + steps
             if not self.kv_cache.allocate_slots(r.request_id, target, now_s):
                 raise RuntimeError("advance_decode_run without the blocks decode_run_length saw")
             r.num_computed_tokens = target
-            r.output_token_ids.extend(token_ids[r.request_id])
+            tokens = token_ids[r.request_id]
+            r.output_token_ids.extend(tokens)
             self.kv_cache.cache_blocks(
                 r.request_id, r.cache_salt, r.token_ids_range, r.num_computed_tokens, now_s
             )
-        return advanced
+            status = self._check_stop(r, tokens[-1])
+            if status is not None:
+                self.finish_request(r.request_id, status)
+            updates.append(FinishedUpdate(r, tokens[-1], status is not None))
+        return updates
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -9,7 +9,7 @@ charges each holder its bytes x the step's time (`request_meter`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -28,23 +28,34 @@ class StepMeter:
         weights: StepCostWeights,
         refresh_steps: int = 1,
     ) -> None:
-        """`refresh_steps`: how many calls of `held` a request's count of the KV pool is reused
-        for (1: recounted every step, as the engine does; the simulator, whose steps cost
-        nothing, recounts less often). Blocks a table gained since its count are added at once:
-        they are freshly allocated, held by that request alone; what a count can miss in between
-        is others starting or stopping to share a request's cached prefix."""
+        """A request's count of the KV pool stays exact while the running set is the one it
+        was counted with: sharing starts only when a request joins (takes cached blocks) and
+        stops only when one leaves, and the blocks a table gains meanwhile are freshly
+        allocated, held by that request alone (added at once). After the set changes, a count
+        is reused for `refresh_steps` steps (1: recounted at once, as the engine does; the
+        simulator, whose steps cost nothing, recounts less often), unless `held` is asked for
+        exact counts."""
         self.kv_cache = kv_cache
         self.block_bytes = block_bytes
         self.weights = weights
         self.refresh_steps = max(1, refresh_steps)
         self._step = 0
-        self._shares: dict[str, tuple[int, int, float]] = {}
-        """request id -> (table length, step counted, bytes held)."""
+        self._members: tuple[str, ...] = ()
+        self._version = 0
+        """Changes whenever the running set does."""
+        self._shares: dict[str, tuple[int, int, int, float]] = {}
+        """request id -> (table length, running-set version, step counted, bytes held)."""
 
-    def held(self, running: Iterable[Request]) -> list[tuple[Request, float]]:
-        """KV bytes each of `running` holds now."""
+    def held(self, running: Sequence[Request], exact: bool = False) -> list[tuple[Request, float]]:
+        """KV bytes each of `running` holds now (`exact`: recount every count the running set
+        has changed since, whatever its age)."""
         self._step += 1
-        shares: dict[str, tuple[int, int, float]] = {}
+        members = tuple(r.request_id for r in running)
+        if members != self._members:
+            self._members = members
+            self._version += 1
+        version, step = self._version, self._step
+        shares: dict[str, tuple[int, int, int, float]] = {}
         out: list[tuple[Request, float]] = []
         for request in running:
             rid = request.request_id
@@ -53,15 +64,14 @@ class StepMeter:
             if (
                 known is None
                 or len(table) < known[0]
-                or self._step - known[1] >= self.refresh_steps
+                or (known[1] != version and (exact or step - known[2] >= self.refresh_steps))
             ):
-                known = (len(table), self._step, self._count(table))
+                known = (len(table), version, step, self._count(table))
             elif len(table) > known[0]:
-                # blocks added since: freshly allocated, so held by this request alone
                 grown = (len(table) - known[0]) * self.block_bytes
-                known = (len(table), known[1], known[2] + grown)
+                known = (len(table), known[1], known[2], known[3] + grown)
             shares[rid] = known
-            out.append((request, known[2]))
+            out.append((request, known[3]))
         self._shares = shares
         return out
 
@@ -71,14 +81,15 @@ class StepMeter:
         self._step += max(0, steps)
 
     def _count(self, table: Sequence[int]) -> float:
-        pool = self.kv_cache.block_pool
-        cache = self.kv_cache.prefix_cache
-        share = 0.0
-        for block in table:
-            holders = pool.ref_count(block)
-            if cache is not None and cache.node_of(block) is not None:
-                holders -= 1
-            share += 1.0 / max(1, holders)
+        """Bytes of `table` this request holds: each block split among the requests holding
+        it. With a prefix cache a block held by two references or more is cached (sharing
+        happens only through the tree, and the tree gives up only idle blocks), so the
+        tree's reference is one of them."""
+        refs = [self.kv_cache.block_pool.ref_count(b) for b in table]
+        if self.kv_cache.prefix_cache is None:
+            share = sum(1.0 / max(1, r) for r in refs)
+        else:
+            share = sum(1.0 if r <= 2 else 1.0 / (r - 1) for r in refs)
         return share * self.block_bytes
 
     def charge(

@@ -221,16 +221,17 @@ class SimReplica:
         # the same additions, in the same order, as stepping one event at a time
         ends = np.cumsum(np.concatenate(([now], durations)))[1:].tolist()
         event = self.loop.at(ends[-1], self._finish_run, FINISH)
-        held = self.meter.held(running)
+        held = self.meter.held(running, exact=True)
         tables = [len(self.kv_cache.block_table(r.request_id)) for r in running]
         self._run = _Run(running, starts, durations, ends, held, tables, now, event, steps)
 
     def sync(self) -> None:
         """Apply the steps of the run in flight that have ended by now (the cache and the KV
-        events then say what they would say stepping one by one)."""
+        events then say what they would say stepping one by one), all but its last step: that
+        one (where requests may finish) is the run's end event's, after the meter's charge."""
         run = self._run
         if run is not None:
-            done = bisect_right(run.ends_s, self.loop.now_s, run.applied, run.steps)
+            done = bisect_right(run.ends_s, self.loop.now_s, run.applied, run.steps - 1)
             if done > run.applied:
                 self._apply(run, done)
 
@@ -249,19 +250,25 @@ class SimReplica:
     def _apply(self, run: _Run, upto: int) -> None:
         steps = upto - run.applied
         tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in run.running}
-        advanced = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
-        for end in run.ends_s[run.applied : upto]:
-            for request in advanced:
-                self.on_token(request, end, False)
+        updates = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
+        ends = run.ends_s[run.applied : upto]
+        for end in ends[:-1]:
+            for update in updates:
+                self.on_token(update.request, end, False)
+        for update in updates:
+            if update.finished:
+                self._live.pop(update.request.request_id, None)
+            self.on_token(update.request, ends[-1], update.finished)
         run.applied = upto
 
     def _finish_run(self) -> None:
         run = self._run
         assert run is not None
         self._run = None
-        self._apply(run, run.steps)
         durations = run.durations_s[: run.steps]
+        # charged before the last tokens: a request that finishes reports its meter then
         self.meter.charge_decode_run(run.running, run.starts, durations, run.held, run.table_blocks)
+        self._apply(run, run.steps)
         second = self.kv_cache.second_tier
         if second is not None:
             n, first_pairs = len(run.running), sum(run.starts) + len(run.running)
