@@ -52,6 +52,30 @@ def test_shared_blocks_are_referenced_by_both_users() -> None:
     cache.check_invariants()
 
 
+def test_a_prefix_computed_twice_at_once_is_shared_and_stays_evictable() -> None:
+    """Two requests compute the same prompt at once (the second matched before the first
+    cached it): the second takes the tree's blocks in place of its duplicates, so that when
+    the first is done no idle block sits above one in use, and all of it can be evicted."""
+    kv, cache, _ = make(num_blocks=12)
+    prompt = list(range(13))  # 3 full blocks + 1 token
+    assert kv.allocate_slots("a", 13, 0.0) and kv.allocate_slots("b", 13, 0.0)
+    assert cache.pool.num_free_blocks == 4
+    kv.cache_blocks("a", "", lambda i, j: prompt[i:j], 13, 1.0)
+    kv.cache_blocks("b", "", lambda i, j: prompt[i:j], 13, 1.0)
+    assert kv.block_table("b")[:3] == kv.block_table("a")[:3]
+    assert cache.pool.num_free_blocks == 7  # b's three duplicates are free again
+    kv.free("a")
+    cache.check_invariants()
+    longer = [*prompt, 99, 98, 97, 96]  # b decodes on: its next full block hangs below
+    assert kv.allocate_slots("b", 17, 2.0)
+    kv.cache_blocks("b", "", lambda i, j: longer[i:j], 17, 2.0)
+    cache.check_invariants()
+    kv.free("b")
+    cache.check_invariants()
+    assert kv.num_available_blocks == 12
+    assert len(cache.evict(12, 3.0)) == 4 and cache.pool.num_free_blocks == 12
+
+
 def test_salts_never_share() -> None:
     kv, cache, _ = make()
     prompt = list(range(9))
@@ -131,7 +155,8 @@ def test_tree_and_pool_invariants_under_random_traffic(
             assert all(n.salt == salt for n in cached.device)
             held = {b for r in open_requests for b in kv.block_table(r)}
             if kv.allocate_slots(rid, length, now, cached):
-                kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], length, now)
+                if which % 2 == 0:  # else cached later: it computes while others may too
+                    kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], length, now)
                 open_requests[rid] = (salt, tokens)
                 # a block this request holds is never also a block another request holds,
                 # unless both got it from the tree (shared)
@@ -140,7 +165,9 @@ def test_tree_and_pool_invariants_under_random_traffic(
                         assert cache.node_of(b) is not None
         elif open_requests:
             rid = sorted(open_requests)[which % len(open_requests)]
-            del open_requests[rid]
+            salt, tokens = open_requests.pop(rid)
+            kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], len(tokens), now)
+            cache.check_invariants()
             kv.free(rid)
         cache.check_invariants()
         for rid in open_requests:

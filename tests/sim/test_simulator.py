@@ -152,11 +152,24 @@ def test_the_simulated_fleet_keeps_the_platforms_ledger() -> None:
     assert roomy["ledger"]["terms_usd"]["non_reusable_context_usd"] == 0
 
 
-@pytest.mark.parametrize("admission", [None, Admission(max_inflight_per_replica=3, max_queued=50)])
-def test_decode_runs_change_nothing_but_the_event_count(admission: Admission | None) -> None:
+@pytest.mark.parametrize(
+    ("admission", "workload"),
+    [
+        (None, "groups"),
+        (Admission(max_inflight_per_replica=3, max_queued=50), "groups"),
+        (None, "sessions"),
+    ],
+)
+def test_decode_runs_change_nothing_but_the_event_count(
+    admission: Admission | None, workload: str
+) -> None:
     """Runs of decode steps taken as one event give the very same report as stepping one by
-    one: every token at the same time, the same cache, the same costs."""
-    reqs = shared_prefix_groups(6.0, 200, 4, 1024, (16, 512), (8, 256), seed=3)
+    one: every token at the same time, the same cache, the same costs. Sessions send their next
+    turn while the last one may still decode: a run's blocks must reach the router in time."""
+    if workload == "groups":
+        reqs = shared_prefix_groups(6.0, 200, 4, 1024, (16, 512), (8, 256), seed=3)
+    else:
+        reqs = multi_turn_sessions(2.0, 40, (3, 6), 512, (32, 96), (32, 256), 1.0, seed=4)
     pools = [Pool(hardware="l4", replicas=2, kv_cache_bytes="2GiB")]
     fleet = _fleet(pools=pools, admission=admission)
     one = Simulation(fleet, reqs, decode_runs=False).run()

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.host_tier import HostEntry, HostTier
-from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache
+from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, salt_hash
 from infercloud.cache.transfer_cost import TransferCostModel
 
 
@@ -267,7 +267,7 @@ class KVCacheManager:
         if tail is None or not cache.holds(tail) or tail.depth > full:
             tail = cache.root_of(salt)
         bs = self.block_size
-        _, self._cache_tail[request_id] = cache.insert_from(
+        self._cache_tail[request_id], swaps = cache.insert_from(
             tail,
             salt,
             token_ids(tail.depth * bs, full * bs),
@@ -275,7 +275,18 @@ class KVCacheManager:
             now_s,
             extends_hit=request_id in self._hit,
         )
+        for i, block in swaps:  # blocks another request cached first: share the tree's
+            table[tail.depth + i] = block
         self._cached_upto[request_id] = full
+
+    def cached_tail_hash(self, request_id: str, salt: str) -> int:
+        """The block hash the request's next cached block will hang from: its last block in the
+        prefix cache (the root of `salt` if none). A running request's cached blocks are in
+        use, so that node is still in the tree."""
+        tail = self._cache_tail.get(request_id)
+        if tail is None or self.prefix_cache is None or not self.prefix_cache.holds(tail):
+            return salt_hash(salt)
+        return tail.block_hash
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])

@@ -255,18 +255,21 @@ class PrefixCache:
         block_ids: Sequence[int],
         now_s: float,
         extends_hit: bool = False,
-    ) -> tuple[int, CacheNode]:
+    ) -> tuple[CacheNode, list[tuple[int, int]]]:
         """Cache the full blocks of a request's computed prefix below `node` (in the tree,
         under `salt`; the root for a whole prompt): `token_ids` and `block_ids` continue the
-        prefix `node` ends. Returns how many blocks were new and the node the walk ended at, to
-        resume from when the request's next block fills.
+        prefix `node` ends. Returns the node the walk ended at, to resume from when the
+        request's next block fills, and the blocks to swap in the request's table.
 
         `extends_hit`: the request started from a cached prefix (the policy learns how often
         such extensions are reused, apart from freshly stored prompts).
 
         `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
-        A block whose prefix is already cached (another request computed it first) is left to
-        its request, which frees it when done.
+        A block whose prefix another request cached first (both computed it at once) is a
+        duplicate: the request takes the tree's block instead (a reference, as a hit would)
+        and its own is released; `(i, tree block)` says which entry of its table to swap. So a
+        request always holds the tree's blocks of its cached prefix, and the idle nodes stay
+        whole subtrees (no idle parent above a block in use).
         """
         bs = self.block_size
         by_block = self._by_block
@@ -274,6 +277,7 @@ class PrefixCache:
         stored: list[int] = []
         blocks: list[int] = []
         depths: list[int] = []
+        swaps: list[tuple[int, int]] = []
         parent_hash: int | None = None
         for i in range(min(len(block_ids), len(token_ids) // bs)):
             key = tuple(token_ids[i * bs : (i + 1) * bs])
@@ -294,13 +298,17 @@ class PrefixCache:
                 stored.append(child.block_hash)
                 blocks.append(block)
                 depths.append(depth)
+            elif child.block_id != block_ids[i]:
+                self.acquire([child], now_s)
+                self.pool.release([block_ids[i]])
+                swaps.append((i, child.block_id))
             node = child
         if stored:
             origin = EXTENSION if extends_hit else FRESH
             self.stats.record_inserts(blocks, depths, stored, origin, now_s)
             if self.on_event is not None:
                 self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
-        return len(stored), node
+        return node, swaps
 
     # -- eviction ------------------------------------------------------------------------------
 

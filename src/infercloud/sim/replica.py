@@ -235,6 +235,21 @@ class SimReplica:
             if done > run.applied:
                 self._apply(run, done)
 
+    @property
+    def in_run(self) -> bool:
+        return self._run is not None
+
+    def run_may_extend(self, block_hashes: set[int]) -> bool:
+        """Whether the run in flight may have stored blocks (not applied yet) that continue
+        one of `block_hashes` (a prompt's block hashes, with its salt's root hash): a request of
+        the run whose last cached block is among them. Only then can `sync` change what a
+        router reading this replica's cache for that prompt sees."""
+        run = self._run
+        if run is None or run.applied >= run.steps - 1:
+            return False
+        tail = self.kv_cache.cached_tail_hash
+        return any(tail(r.request_id, r.cache_salt) in block_hashes for r in run.running)
+
     def _cut_run(self) -> None:
         """A request joined: the run stops after the step in flight (stepping one by one, the
         next step would schedule it)."""

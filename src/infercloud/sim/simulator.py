@@ -18,13 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from infercloud.cache.prefix_cache import CacheEvent
+from infercloud.cache.prefix_cache import CacheEvent, salt_hash
 from infercloud.engine.request import Request
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.scheduler import SchedulerConfig
 from infercloud.gateway.admission import CLASSES, AdmissionQueue, Ticket
 from infercloud.gateway.replicas import Replica
 from infercloud.ledger.cost import RequestUsage
+from infercloud.router.kv_index import prompt_block_hashes
 from infercloud.router.replica_set import ReplicaSet, ReplicaState, Route
 from infercloud.serving_report import RequestTiming, serving_report
 from infercloud.sim.events import ARRIVAL, EventLoop
@@ -203,8 +204,16 @@ class Simulation:
     def _dispatch(self, flight: _Flight) -> None:
         r = flight.request
         flight.prompt_ids = self.tokens.prompt(r)
-        for p in self._pooled:  # the router reads their caches as of now
-            p.replica.sync()
+        # the router reads the replicas' caches as of now: apply the runs whose blocks so far
+        # could be a prefix of this prompt (any other run's cannot change its answer)
+        in_runs = [p.replica for p in self._pooled if p.replica.in_run]
+        if in_runs:
+            bs = self.fleet.block_size
+            names = set(prompt_block_hashes(flight.prompt_ids, bs, r.tenant))
+            names.add(salt_hash(r.tenant))
+            for replica in in_runs:
+                if replica.run_may_extend(names):
+                    replica.sync()
         route = self.replica_set.route(
             r.request_id, flight.prompt_ids, r.tenant, r.session, self.loop.now_s
         )
