@@ -167,8 +167,11 @@ class KVCacheManager:
         `hit`, for a request without a table yet, is the matched prefix it starts from; its
         host blocks are loaded into the first new blocks, so `num_tokens` must cover them.
         """
+        table = self._tables.get(request_id)
+        if not hit.num_blocks and table is not None and len(table) * self.block_size >= num_tokens:
+            return True  # a decode step inside its last block: nothing to add
         cached = hit.device
-        if hit.num_blocks and request_id in self._tables:
+        if hit.num_blocks and table is not None:
             raise ValueError(f"request {request_id!r} already has blocks; cannot start from cache")
         if num_blocks_for(num_tokens, self.block_size) < hit.num_blocks:
             raise ValueError("num_tokens must cover the matched prefix")

@@ -14,7 +14,7 @@ request takes out (the invariant the tests check: at rest every count is 0).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from infercloud.gateway.config import Routing
@@ -105,12 +105,15 @@ class ReplicaSet:
         session: str | None,
         now_s: float,
         exclude: Collection[str] = (),
+        block_hashes: Mapping[int, list[int]] | None = None,
     ) -> Route:
-        """Pick a replica for a request (raises `NoReplicaError` if none is routable)."""
+        """Pick a replica for a request (raises `NoReplicaError` if none is routable).
+        `block_hashes`: the prompt's block hashes by block size, if the caller has them
+        (`prompt_block_hashes`), else computed here."""
         candidates = self.routable(exclude)
         if not candidates:
             raise NoReplicaError(f"no healthy replica of {self.model!r}")
-        hashes: dict[int, list[int]] = {}
+        hashes: dict[int, list[int]] = dict(block_hashes or {})
         views: list[ReplicaView] = []
         for s in candidates:
             size = s.block_size or LEARNED_BLOCK_SIZE

@@ -206,17 +206,18 @@ class Simulation:
         flight.prompt_ids = self.tokens.prompt(r)
         # the router reads the replicas' caches as of now: apply the runs whose blocks so far
         # could be a prefix of this prompt (any other run's cannot change its answer)
+        bs = self.fleet.block_size
+        hashes = prompt_block_hashes(flight.prompt_ids, bs, r.tenant)
         in_runs = [p.replica for p in self._pooled if p.replica.in_run]
         if in_runs:
-            bs = self.fleet.block_size
-            names = set(prompt_block_hashes(flight.prompt_ids, bs, r.tenant))
-            names.add(salt_hash(r.tenant))
+            names = {*hashes, salt_hash(r.tenant)}
             for replica in in_runs:
                 if replica.run_may_extend(names):
                     replica.sync()
         route = self.replica_set.route(
-            r.request_id, flight.prompt_ids, r.tenant, r.session, self.loop.now_s
-        )
+            r.request_id, flight.prompt_ids, r.tenant, r.session, self.loop.now_s,
+            block_hashes={bs: hashes},
+        )  # fmt: skip
         flight.route = route
         priority = CLASSES.index(r.priority) if r.priority in CLASSES else 1
         self._by_name[route.state.name].add(
