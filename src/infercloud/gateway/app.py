@@ -280,6 +280,41 @@ class ReplicaFailed(Exception):
         """The connection failed (refused, reset, timed out, ejected), not just one answer."""
 
 
+class EjectionWatch:
+    """Closes an upstream response if its replica is ejected while the gateway reads it,
+    checking every `period_s`: one timer per period for the whole response, instead of a task
+    and a timeout per read (a stream is many reads). A read pending on a closed response fails
+    with `aiohttp.ClientConnectionError`; `fired` tells that the watch closed it."""
+
+    def __init__(
+        self, state: ReplicaState, period_s: float, upstream: aiohttp.ClientResponse
+    ) -> None:
+        self.state = state
+        self.period_s = period_s
+        self.upstream = upstream
+        self.fired = False
+        self._loop = asyncio.get_running_loop()
+        self._handle: asyncio.TimerHandle | None = self._loop.call_later(period_s, self._check)
+
+    def _check(self) -> None:
+        if self.state.status == "ejected":
+            self.fired = True
+            self._handle = None
+            self.upstream.close()
+        else:
+            self._handle = self._loop.call_later(self.period_s, self._check)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def failure(self, exc: BaseException, when: str) -> ReplicaFailed:
+        if self.fired:
+            return ReplicaFailed(f"{when}: replica {self.state.name} was ejected", connection=True)
+        return ReplicaFailed(f"{when}: {exc!r}", connection=True)
+
+
 class Gateway:
     def __init__(
         self,
@@ -878,13 +913,15 @@ class Gateway:
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaFailed(repr(exc), connection=True) from exc
+        watch = EjectionWatch(state, period_s, upstream)
         if upstream.status != 200 or not body.stream:
             try:
-                content = await self._unless_ejected(upstream.read(), state, period_s)
-            except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
+                content = await upstream.read()
+            except (aiohttp.ClientError, TimeoutError) as exc:
                 upstream.close()
-                raise ReplicaFailed(repr(exc), connection=True) from exc
+                raise watch.failure(exc, "reading the response") from exc
             finally:
+                watch.cancel()
                 upstream.release()
             if upstream.status >= 500:
                 raise ReplicaFailed(
@@ -914,23 +951,24 @@ class Gateway:
         held: list[bytes] = []
         try:
             while not relay.saw_token:
-                block = await self._unless_ejected(events.__anext__(), state, period_s)
-                out = relay.feed(block)
+                out = relay.feed(await events.__anext__())
                 if out:
                     held.append(out)
         except StopAsyncIteration:
             pass  # ended without a token (max_tokens 0, say): pass it on as it is
-        except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            watch.cancel()
             upstream.close()
-            raise ReplicaFailed(f"before the first token: {exc!r}", connection=True) from exc
+            raise watch.failure(exc, "before the first token") from exc
         except BaseException:
+            watch.cancel()
             upstream.close()
             raise
         if relay.saw_token:
             flight.first_token_s = self.clock()
             ReplicaSet.first_token(route)
         return StreamingResponse(
-            self._relay(flight, upstream, relay, held, events),
+            self._relay(flight, upstream, watch, relay, held, events),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -939,6 +977,7 @@ class Gateway:
         self,
         flight: Flight,
         upstream: aiohttp.ClientResponse,
+        watch: EjectionWatch,
         relay: UsageRelay,
         held: list[bytes],
         events: Any,
@@ -946,13 +985,12 @@ class Gateway:
         """Pass the held events, then the rest as they come (`UsageRelay`), then finish."""
         assert flight.route is not None and flight.deployment is not None
         state = flight.route.state
-        period_s = flight.deployment.routing.health_interval_s
         try:
             for out in held:
                 yield out
             while True:
                 try:
-                    block = await self._unless_ejected(events.__anext__(), state, period_s)
+                    block = await events.__anext__()
                 except StopAsyncIteration:
                     break
                 out = relay.feed(block)
@@ -964,23 +1002,27 @@ class Gateway:
             tail = relay.finish()
             if tail:
                 yield tail
-        except (aiohttp.ClientError, TimeoutError, ReplicaFailed) as exc:
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            watch.cancel()
             upstream.close()
             if isinstance(exc, aiohttp.ClientError):  # the connection broke: out of routing
                 self.replica_sets[flight.deployment.name].eject(state)
+            failure = watch.failure(exc, "mid-stream")
             body = error_body(
                 502, f"replica {state.name} failed mid-stream", None, "replica_failed"
             )
             flight.attempt_failed(state.name)
-            await flight.finish("failed", 200, relay.usage, error=f"mid-stream: {exc!r}")
+            await flight.finish("failed", 200, relay.usage, error=str(failure))
             yield f"data: {json.dumps(body)}\n\n".encode()
             return
         except BaseException:
+            watch.cancel()
             upstream.close()  # the client left: dropping the connection aborts the replica's work
             await flight.finish(
                 "cancelled", 200, relay.usage, error="client disconnected mid-stream"
             )
             raise
+        watch.cancel()
         upstream.release()
         await flight.finish("completed", 200, relay.usage)
 
