@@ -520,13 +520,12 @@ class Gateway:
         if self.is_admin(token):
             return Caller(ADMIN_TENANT, None, "interactive", None)
         parsed = keyring.parse(token)
-        record = (
-            await asyncio.get_running_loop().run_in_executor(
-                self._auth_pool, self.store.get_key, parsed[0]
-            )
-            if parsed
-            else None
-        )
+        record: KeyRecord | None = None
+        if parsed is not None and self.store.local_key_lookups:
+            record = self.store.get_key(parsed[0])
+        elif parsed is not None:
+            loop = asyncio.get_running_loop()
+            record = await loop.run_in_executor(self._auth_pool, self.store.get_key, parsed[0])
         if (
             parsed is None
             or record is None
