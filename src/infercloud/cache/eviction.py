@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -69,33 +69,30 @@ class BlockStats:
         )
 
     def record_insert(self, block: int, depth: int, key: int, origin: int, now_s: float) -> None:
-        self.inserted_s[block] = now_s
-        self.last_access_s[block] = now_s
-        self.num_hits[block] = 0
-        self.depth[block] = depth
-        self.waiting[block] = 0
-        self.key[block] = key
-        self.origin[block] = origin
+        self._write(block, depth, key, origin, now_s)
         self.origin_stored[origin] += 1
 
     def record_inserts(
         self, blocks: list[int], depths: list[int], keys: list[int], origin: int, now_s: float
     ) -> None:
-        """`record_insert` for each of `blocks` (with its depth and key), one array write each
-        for a long list."""
+        """`record_insert` for each of `blocks` (with its depth and key): one array write per
+        field for a long list, scalar writes for a short one (cheaper than building arrays)."""
         if len(blocks) < 8:
             for block, depth, key in zip(blocks, depths, keys, strict=True):
-                self.record_insert(block, depth, key, origin, now_s)
-            return
-        index = np.array(blocks, dtype=np.int64)
+                self._write(block, depth, key, origin, now_s)
+        else:
+            self._write(np.array(blocks, dtype=np.int64), depths, keys, origin, now_s)
+        self.origin_stored[origin] += len(blocks)
+
+    def _write(self, index: Any, depth: Any, key: Any, origin: int, now_s: float) -> None:
+        """A fresh history for the block(s) at `index` (an id or an array of ids)."""
         self.inserted_s[index] = now_s
         self.last_access_s[index] = now_s
         self.num_hits[index] = 0
-        self.depth[index] = depths
+        self.depth[index] = depth
         self.waiting[index] = 0
-        self.key[index] = keys
+        self.key[index] = key
         self.origin[index] = origin
-        self.origin_stored[origin] += len(blocks)
 
     def record_hit(self, block: int, now_s: float) -> None:
         if self.num_hits[block] == 0:

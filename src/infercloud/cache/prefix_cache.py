@@ -359,13 +359,11 @@ class PrefixCache:
                 ):
                     break
                 entry = self._rank(parent.block_id)
-                if len(evicted) < num_blocks and (not ranked or entry < ranked[0]):
-                    self._candidates.add(parent.block_id)
-                    node = parent
-                    continue
                 self._candidates.add(parent.block_id)
-                heapq.heappush(ranked, entry)
-                break
+                if len(evicted) == num_blocks or (ranked and ranked[0] < entry):
+                    heapq.heappush(ranked, entry)
+                    break
+                node = parent  # it would be popped next: evict it now
 
     def _remember_evicted(self, node: CacheNode) -> None:
         self.recently_evicted[node.block_hash] = None

@@ -272,10 +272,12 @@ class Store:
         if url.startswith("postgresql://"):
             url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
         kwargs: dict[str, Any] = {}
+        path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
+        self._key_path = path if path and path != ":memory:" else None
+        """The SQLite file, if the store is one (key lookups read it directly)."""
         if url.startswith("sqlite"):
-            path = url.removeprefix("sqlite:///")
-            if path and path != ":memory:":
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            if self._key_path is not None:
+                Path(self._key_path).parent.mkdir(parents=True, exist_ok=True)
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         else:
             # one connection per concurrent key lookup (the gateway runs up to 32)
@@ -284,8 +286,6 @@ class Store:
         self.engine: Engine = sa.create_engine(url, **kwargs)
         if url.startswith("sqlite"):
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
-        path = url.removeprefix("sqlite:///") if url.startswith("sqlite:///") else ""
-        self._key_path = path if path and path != ":memory:" else None
         self._key_conn: sqlite3.Connection | None = None
         self._key_lock = threading.Lock()
 
