@@ -171,16 +171,19 @@ def light_ttfts_ms(base_url: str, key: str, n: int, interval_s: float) -> list[f
 
 
 FLOOD = """
-import asyncio, sys, time
+import asyncio, os, sys, threading
 import httpx
-url, key, workers, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+os.nice(10)  # another tenant's machines: on this small box, not the platform's CPU time
+url, key, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
 body = {"model": "tiny", "prompt": "flood " * 20, "max_tokens": 32}
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 async def main():
-    sent, end = 0, time.monotonic() + seconds
+    sent = 0
     async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=workers)) as c:
         async def worker():
             nonlocal sent
-            while time.monotonic() < end:
+            while not stop.is_set():
                 await c.post(url + "/v1/completions", json=body,
                              headers={"authorization": "Bearer " + key})
                 sent += 1
@@ -190,26 +193,34 @@ asyncio.run(main())
 """
 
 
+def p99(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]
+
+
 def test_a_flood_does_not_starve_a_light_tenant(
     gateways: list[EngineServer], database_url: str
 ) -> None:
     """Tenant `flood` keeps 10x the replica's capacity outstanding (80 requests for 8 slots),
-    from a process of its own; tenant `light` sends one request at a time: its p99 time to first
-    token stays within 2x of its unloaded value."""
+    from a process of its own (at a lower CPU priority, standing in for that tenant's own
+    machines: on two cores it would otherwise take its CPU time from the platform under test);
+    tenant `light` sends one request at a time: its p99 time to first token, over 200 requests,
+    stays within 2x of its unloaded value."""
     gw = gateways[1]
     flood_key = make_key(database_url, "flood")
     light_key = make_key(database_url, "light")
-    light_ttfts_ms(gw.base_url, light_key, 5, 0.05)  # warm up
-    unloaded = light_ttfts_ms(gw.base_url, light_key, 40, 0.1)
+    light_ttfts_ms(gw.base_url, light_key, 10, 0.05)  # warm up
+    unloaded = light_ttfts_ms(gw.base_url, light_key, 200, 0.05)
     flood = subprocess.Popen(
-        [sys.executable, "-c", FLOOD, gw.base_url, flood_key, "80", "12"],
+        [sys.executable, "-c", FLOOD, gw.base_url, flood_key, "80"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
-    time.sleep(2.0)  # the backlog builds up
-    loaded = light_ttfts_ms(gw.base_url, light_key, 40, 0.1)
-    flood_sent = int(flood.communicate(timeout=120)[0])
-    p99 = lambda xs: sorted(xs)[min(len(xs) - 1, int(0.99 * len(xs)))]  # noqa: E731
+    try:
+        time.sleep(2.0)  # the backlog builds up
+        loaded = light_ttfts_ms(gw.base_url, light_key, 200, 0.05)
+    finally:
+        flood_sent = int(flood.communicate("", timeout=120)[0] or 0)
     print(
         f"light tenant TTFT ms: unloaded median {statistics.median(unloaded):.1f} "
         f"p99 {p99(unloaded):.1f}; under flood median {statistics.median(loaded):.1f} "

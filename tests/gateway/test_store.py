@@ -135,6 +135,49 @@ def test_keys_are_stored_hashed_and_revocable(store_url: str) -> None:
         store.close()
 
 
+def test_the_event_loop_key_reader_sees_revocations_and_survives_a_lost_connection() -> None:
+    """PostgreSQL key lookups made on the loop (`PostgresKeyReader`): the record as committed,
+    None for an unknown id, a revocation seen on the next lookup, and a connection that the
+    server closed replaced without failing the lookup."""
+    import asyncio
+
+    import sqlalchemy as sa
+
+    with postgres_schema() as url:
+        store = Store(url)
+        try:
+            store.migrate()
+            _, key_id, sha = keyring.new_key()
+            record = KeyRecord(key_id, "acme", sha, None, None, None, "standard", 1.0, 1.0, None)
+            store.add_key(record)
+            reader = store.async_key_reader()
+            assert reader is not None
+
+            async def lookups() -> None:
+                try:
+                    assert await reader.get_key(key_id) == record
+                    assert await reader.get_key("nope") is None
+                    store.revoke_key(key_id, 7.0)
+                    got = await reader.get_key(key_id)
+                    assert got is not None and got.revoked_at_s == 7.0
+                    with store.engine.begin() as conn:  # the server drops the reader's sessions
+                        conn.execute(
+                            sa.text(
+                                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                "WHERE pid <> pg_backend_pid() AND datname = current_database() "
+                                "AND query LIKE '%FROM api_keys WHERE key_id%'"
+                            )
+                        )
+                    got = await reader.get_key(key_id)
+                    assert got is not None and got.key_id == key_id
+                finally:
+                    await reader.close()
+
+            asyncio.run(lookups())
+        finally:
+            store.close()
+
+
 def test_usage_records_are_written_once(store_url: str) -> None:
     store = Store(store_url)
     try:

@@ -32,7 +32,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Annotated, Any
 
@@ -359,9 +358,8 @@ class Gateway:
         self._spans: dict[str, str] = {}
         """Open replica span ids by replica name."""
         self._session: aiohttp.ClientSession | None = None
-        self._auth_pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="auth")
-        """Key lookups get threads of their own: behind a flood's lookups in the default pool
-        (a few threads), a light tenant's request would queue before admission even sees it."""
+        self._key_reader = store.async_key_reader()
+        """PostgreSQL key lookups on the event loop (SQLite's are local and synchronous)."""
         self.registry = CollectorRegistry()
         self.metric_requests = Counter(
             "infercloud_gateway:requests",
@@ -499,7 +497,8 @@ class Gateway:
                 log.exception("closing the span of %s failed", name)
         if self._session is not None:
             await self._session.close()
-        self._auth_pool.shutdown(wait=False)
+        if self._key_reader is not None:
+            await self._key_reader.close()
         await asyncio.to_thread(self.writer.close)
         await self.limits.close()
 
@@ -521,11 +520,12 @@ class Gateway:
             return Caller(ADMIN_TENANT, None, "interactive", None)
         parsed = keyring.parse(token)
         record: KeyRecord | None = None
-        if parsed is not None and self.store.local_key_lookups:
+        if parsed is not None and self._key_reader is not None:
+            record = await self._key_reader.get_key(parsed[0])
+        elif parsed is not None and self.store.local_key_lookups:
             record = self.store.get_key(parsed[0])
         elif parsed is not None:
-            loop = asyncio.get_running_loop()
-            record = await loop.run_in_executor(self._auth_pool, self.store.get_key, parsed[0])
+            record = await asyncio.to_thread(self.store.get_key, parsed[0])
         if (
             parsed is None
             or record is None

@@ -36,6 +36,11 @@ def add_commands(sub: Any) -> None:
     serve.add_argument("--admin-key", default=None)
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every HTTP request (off by default: each already leaves a usage record)",
+    )
+    serve.add_argument(
         "--launcher", choices=["local", "ray"], default=None, help="override the config's"
     )
     serve.add_argument("--ray-address", default=None, help="join this Ray cluster")
@@ -241,7 +246,13 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            access_log=args.access_log,
+        )
     except (RuntimeError, TimeoutError) as exc:
         print(f"infercloud serve: {exc}", file=sys.stderr)
         return 1
