@@ -90,9 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="append each step's shape and period as JSON lines (infercloud calibrate)",
     )
     engine.add_argument("--log-level", default="info")
-    engine.add_argument(
-        "--access-log", action="store_true", help="log every HTTP request (off by default)"
-    )
+    gateway_cli.add_access_log_arg(engine)
 
     models = sub.add_parser("models", help="list the models this installation can serve")
     models.add_argument("--json", action="store_true", help="print JSON")
@@ -231,15 +229,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
     )
     # The engine loop runs on this (the main) thread, where torch's kernels run fastest, and
     # the HTTP server on a second one; either stopping stops the other.
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=args.access_log,
-        )
-    )
+    server = uvicorn.Server(uvicorn.Config(app, **gateway_cli.uvicorn_options(args)))
 
     def serve_http() -> None:
         try:

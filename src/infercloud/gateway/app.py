@@ -522,10 +522,8 @@ class Gateway:
         record: KeyRecord | None = None
         if parsed is not None and self._key_reader is not None:
             record = await self._key_reader.get_key(parsed[0])
-        elif parsed is not None and self.store.local_key_lookups:
+        elif parsed is not None:  # SQLite: a local read, cheaper than a hop to a thread
             record = self.store.get_key(parsed[0])
-        elif parsed is not None:
-            record = await asyncio.to_thread(self.store.get_key, parsed[0])
         if (
             parsed is None
             or record is None

@@ -27,6 +27,24 @@ def add_storage_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--database-url", default=None, help="postgresql://... (default: SQLite)")
 
 
+def add_access_log_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--access-log",
+        action="store_true",
+        help="log every HTTP request (off by default; the gateway keeps a usage record of each)",
+    )
+
+
+def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The HTTP server's options from `--host`, `--port`, `--log-level`, `--access-log`."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "log_level": args.log_level,
+        "access_log": args.access_log,
+    }
+
+
 def add_commands(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start the platform: the gateway and its replicas")
     serve.add_argument("--config", type=Path, default=None, help="deployment YAML")
@@ -35,11 +53,7 @@ def add_commands(sub: Any) -> None:
     serve.add_argument("--redis-url", default=None, help="share limits through Redis")
     serve.add_argument("--admin-key", default=None)
     serve.add_argument("--log-level", default="info")
-    serve.add_argument(
-        "--access-log",
-        action="store_true",
-        help="log every HTTP request (off by default: each already leaves a usage record)",
-    )
+    add_access_log_arg(serve)
     serve.add_argument(
         "--launcher", choices=["local", "ray"], default=None, help="override the config's"
     )
@@ -246,13 +260,7 @@ def serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        uvicorn.run(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.log_level,
-            access_log=args.access_log,
-        )
+        uvicorn.run(app, **uvicorn_options(args))
     except (RuntimeError, TimeoutError) as exc:
         print(f"infercloud serve: {exc}", file=sys.stderr)
         return 1

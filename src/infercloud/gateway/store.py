@@ -289,15 +289,9 @@ class Store:
         self._key_conn: sqlite3.Connection | None = None
         self._key_lock = threading.Lock()
 
-    @property
-    def local_key_lookups(self) -> bool:
-        """Key lookups read a local SQLite file on one dedicated connection (tens of
-        microseconds: cheaper than handing them to a thread); PostgreSQL's are made on the event
-        loop by `async_key_reader`."""
-        return self._key_path is not None
-
     def async_key_reader(self) -> PostgresKeyReader | None:
-        """A reader of keys for the event loop, where the database is PostgreSQL."""
+        """A reader of keys for the event loop, where the database is PostgreSQL (SQLite's
+        lookups, `get_key`, read a local file in tens of microseconds and need none)."""
         return PostgresKeyReader(self.url) if self.url.startswith("postgresql") else None
 
     # -- schema --------------------------------------------------------------------------------
@@ -559,17 +553,17 @@ class PostgresKeyReader:
         if not self._opened:
             self._opened = True
             await self._pool.open()
-        for attempt in (1, 2):
-            try:
-                async with self._pool.connection() as conn:
-                    cursor = await conn.execute(_KEY_BY_ID_PG, (key_id,))
-                    found = await cursor.fetchone()
-                return KeyRecord(*found) if found else None
-            except psycopg.OperationalError:
-                if attempt == 2:
-                    raise
-                await self._pool.check()  # drop every idle connection found broken
-        raise AssertionError("unreachable")
+        try:
+            return await self._lookup(key_id)
+        except psycopg.OperationalError:
+            await self._pool.check()  # drop every idle connection found broken
+            return await self._lookup(key_id)
+
+    async def _lookup(self, key_id: str) -> KeyRecord | None:
+        async with self._pool.connection() as conn:
+            cursor = await conn.execute(_KEY_BY_ID_PG, (key_id,))
+            found = await cursor.fetchone()
+        return KeyRecord(*found) if found else None
 
     async def close(self) -> None:
         if self._opened:
