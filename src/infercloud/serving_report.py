@@ -10,8 +10,13 @@ towards goodput when it meets every SLO given (TTFT, TPOT, E2EL, in ms).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 
 @dataclass(slots=True)
@@ -19,7 +24,7 @@ class RequestTiming:
     ok: bool
     ttft_s: float = 0.0
     e2el_s: float = 0.0
-    itls_s: list[float] = field(default_factory=list)
+    itls_s: Sequence[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
@@ -31,16 +36,23 @@ class RequestTiming:
         return (self.e2el_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _stats(name: str, values_s: Sequence[float]) -> dict[str, float]:
+def _stats(name: str, values_s: Sequence[float] | npt.NDArray[Any]) -> dict[str, float]:
     import numpy as np
 
-    ms = np.array(values_s, dtype=float) * 1e3 if len(values_s) else np.zeros(1)
+    ms = np.asarray(values_s, dtype=float) * 1e3 if len(values_s) else np.zeros(1)
     return {
         f"mean_{name}_ms": float(np.mean(ms)),
         f"median_{name}_ms": float(np.median(ms)),
         f"std_{name}_ms": float(np.std(ms)),
         f"p99_{name}_ms": float(np.percentile(ms, 99)),
     }
+
+
+def _all_itls_s(results: Sequence[RequestTiming]) -> npt.NDArray[Any]:
+    import numpy as np
+
+    flat = itertools.chain.from_iterable(r.itls_s for r in results)
+    return np.fromiter(flat, dtype=float, count=sum(len(r.itls_s) for r in results))
 
 
 def serving_report(
@@ -79,6 +91,6 @@ def serving_report(
         "prefix_cache_hit_rate": cached / input_tokens if input_tokens else 0.0,
         **_stats("ttft", [r.ttft_s for r in ok]),
         **_stats("tpot", tpots),
-        **_stats("itl", [x for r in ok for x in r.itls_s]),
+        **_stats("itl", _all_itls_s(ok)),
         **_stats("e2el", [r.e2el_s for r in ok]),
     }

@@ -48,9 +48,12 @@ def salt_hash(salt: str) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
+HASH_MASK = (1 << 63) - 1
+
+
 def chain_hash(parent_hash: int, key: tuple[int, ...]) -> int:
     """The hash of a block given its parent's: names the whole prefix, not just the block."""
-    return hash((parent_hash, key)) & ((1 << 63) - 1)
+    return hash((parent_hash, key)) & HASH_MASK
 
 
 @dataclass(eq=False, slots=True)
@@ -272,43 +275,59 @@ class PrefixCache:
         whole subtrees (no idle parent above a block in use).
         """
         bs = self.block_size
-        by_block = self._by_block
-        retain = self.pool.retain
-        stored: list[int] = []
-        blocks: list[int] = []
-        depths: list[int] = []
+        n = min(len(block_ids), len(token_ids) // bs)
         swaps: list[tuple[int, int]] = []
-        parent_hash: int | None = None
-        for i in range(min(len(block_ids), len(token_ids) // bs)):
+        i = 0
+        key: tuple[int, ...] = ()
+        # the part of the prefix the tree has already
+        while i < n:
             key = tuple(token_ids[i * bs : (i + 1) * bs])
             child = node.children.get(key)
             if child is None:
-                block = block_ids[i]
-                if block in by_block:
-                    break  # this block already caches another prefix; keep the tree consistent
-                depth = node.depth + 1
-                child = CacheNode(key, block, chain_hash(node.block_hash, key), node, depth, salt)
-                if not node.children and node.block_id >= 0:
-                    self._candidates.discard(node.block_id)
-                node.children[key] = child
-                by_block[block] = child
-                retain(block)
-                if not stored:
-                    parent_hash = node.block_hash if node.block_id >= 0 else None
-                stored.append(child.block_hash)
-                blocks.append(block)
-                depths.append(depth)
-            elif child.block_id != block_ids[i]:
+                break
+            if child.block_id != block_ids[i]:
                 self.acquire([child], now_s)
                 self.pool.release([block_ids[i]])
                 swaps.append((i, child.block_id))
             node = child
-        if stored:
-            origin = EXTENSION if extends_hit else FRESH
-            self.stats.record_inserts(blocks, depths, stored, origin, now_s)
-            if self.on_event is not None:
-                self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
-        return node, swaps
+            i += 1
+        if i == n:
+            return node, swaps
+        # the rest hangs from `node` as a fresh chain (a new node has no children to look up)
+        by_block = self._by_block
+        block = block_ids[i]
+        if block in by_block:
+            return node, swaps  # this block already caches another prefix: keep the tree as is
+        parent_hash = node.block_hash if node.block_id >= 0 else None
+        if node.block_id >= 0 and not node.children:
+            self._candidates.discard(node.block_id)
+        stored: list[int] = []
+        blocks: list[int] = []
+        depth = node.depth
+        parent = node
+        while True:
+            depth += 1
+            block_hash = hash((parent.block_hash, key)) & HASH_MASK  # chain_hash, inlined
+            child = CacheNode(key, block, block_hash, parent, depth, salt, {})
+            parent.children[key] = child
+            by_block[block] = child
+            stored.append(block_hash)
+            blocks.append(block)
+            parent = child
+            i += 1
+            if i == n:
+                break
+            block = block_ids[i]
+            if block in by_block:
+                break
+            key = tuple(token_ids[i * bs : (i + 1) * bs])
+        self.pool.retain_all(blocks)
+        origin = EXTENSION if extends_hit else FRESH
+        depths = list(range(node.depth + 1, node.depth + 1 + len(blocks)))
+        self.stats.record_inserts(blocks, depths, stored, origin, now_s)
+        if self.on_event is not None:
+            self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
+        return parent, swaps
 
     # -- eviction ------------------------------------------------------------------------------
 
@@ -325,10 +344,12 @@ class PrefixCache:
             self._evict_ranked(num_blocks, evicted)
         else:
             self._evict_ranking(num_blocks, now_s, evicted)
-        if self.on_event is not None:
-            for salt in dict.fromkeys(n.salt for n in evicted):
-                hashes = tuple(n.block_hash for n in evicted if n.salt == salt)
-                self.on_event(CacheEvent("removed", hashes, None, salt, now_s))
+        if self.on_event is not None and evicted:
+            by_salt: dict[str, list[int]] = {}
+            for n in evicted:
+                by_salt.setdefault(n.salt, []).append(n.block_hash)
+            for salt, hashes in by_salt.items():
+                self.on_event(CacheEvent("removed", tuple(hashes), None, salt, now_s))
         self.num_evicted_blocks += len(evicted)
         return evicted
 
@@ -338,32 +359,39 @@ class PrefixCache:
         whose entry would be the next one popped is evicted at once, without the round trip
         through the heap (a request's chain of blocks goes leaf to root)."""
         ranked = self._ranked
+        version = self._version
+        candidates = self._candidates
+        recent = self.recently_evicted
+        ref_count = self.pool.ref_count
+        priority, stats = self._priority, self.stats
+        freed: list[int] = []
         while ranked and len(evicted) < num_blocks:
-            entry = heapq.heappop(ranked)
-            if not self._live(entry):
-                continue
-            node = self._by_block[entry[1]]
-            if self._priority is None:
+            _, block, entry_version = heapq.heappop(ranked)
+            if version[block] != entry_version or block not in candidates:
+                continue  # the block left the candidates since it was ranked
+            node = self._by_block[block]
+            if priority is None:
                 evicted.append(self._remove(node))
-                self._remember_evicted(node)
+                recent[node.block_hash] = None
                 continue
             while True:
-                parent = node.parent
-                evicted.append(self._remove(node, rank_parent=False))
-                self._remember_evicted(node)
-                assert parent is not None
-                if (
-                    parent.block_id < 0
-                    or parent.children
-                    or self.pool.ref_count(parent.block_id) != 1
-                ):
+                parent = self._unlink(node)
+                freed.append(node.block_id)
+                evicted.append(node)
+                recent[node.block_hash] = None
+                block = parent.block_id
+                if block < 0 or parent.children or ref_count(block) != 1:
                     break
-                entry = self._rank(parent.block_id)
-                self._candidates.add(parent.block_id)
+                version[block] += 1  # `_rank`, inlined
+                entry = (priority(stats, block), block, version[block])
+                candidates.add(block)
                 if len(evicted) == num_blocks or (ranked and ranked[0] < entry):
                     heapq.heappush(ranked, entry)
                     break
                 node = parent  # it would be popped next: evict it now
+        self.pool.release(freed)
+        while len(recent) > EVICTED_HASHES_KEPT:
+            recent.popitem(last=False)
 
     def _remember_evicted(self, node: CacheNode) -> None:
         self.recently_evicted[node.block_hash] = None
@@ -387,8 +415,18 @@ class PrefixCache:
                 heapq.heappush(heap, (priority, parent.block_id))
 
     def _remove(self, node: CacheNode, rank_parent: bool = True) -> CacheNode:
-        """Take an idle leaf out of the tree; a parent left an idle leaf becomes a candidate
-        (`rank_parent`; else the caller ranks it)."""
+        """Take an idle leaf out of the tree and free its block; a parent left an idle leaf
+        becomes a candidate (`rank_parent`; else the caller ranks it)."""
+        parent = self._unlink(node)
+        self.pool.release([node.block_id])
+        block = parent.block_id
+        if rank_parent and block >= 0 and not parent.children and self.pool.ref_count(block) == 1:
+            self._add_candidates([block])
+        return node
+
+    def _unlink(self, node: CacheNode) -> CacheNode:
+        """Take an idle leaf out of the tree (its block still to be released by the caller);
+        returns its parent. A root left without children goes too."""
         block = node.block_id
         parent = node.parent
         assert parent is not None and not node.children
@@ -396,13 +434,9 @@ class PrefixCache:
         del self._by_block[block]
         self._candidates.discard(block)
         self.num_idle -= 1
-        self.pool.release([block])
-        if parent.block_id >= 0:
-            if rank_parent and not parent.children and self.pool.ref_count(parent.block_id) == 1:
-                self._add_candidates([parent.block_id])
-        elif not parent.children:
+        if parent.block_id < 0 and not parent.children:
             del self._roots[node.salt]
-        return node
+        return parent
 
     def root_of(self, salt: str) -> CacheNode:
         """The root of `salt`'s tree (made if it has none)."""

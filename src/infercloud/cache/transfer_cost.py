@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-from scipy.optimize import nnls
 
 MIN_STEPS_TO_FIT = 8
 
@@ -70,6 +69,8 @@ class TransferCostModel:
     def coefficients(self) -> tuple[float, float, float] | None:
         """(overhead_s, s_per_token, s_per_pair), or None before `MIN_STEPS_TO_FIT` steps."""
         if self._coef is None and len(self._steps) >= MIN_STEPS_TO_FIT:
+            from scipy.optimize import nnls  # a third of a second to import; few callers fit
+
             data = np.array(self._steps, dtype=np.float64)
             design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
             # Columns scaled to unit norm so that nnls sees a well-conditioned problem.

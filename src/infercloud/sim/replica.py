@@ -21,7 +21,7 @@ the order the scheduler returned the chunks; a run's steps apply in order, none 
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,8 +42,9 @@ from infercloud.sim.events import FINISH, STEP, Event, EventLoop
 from infercloud.sim.perf_model import PerfModel
 from infercloud.sim.workload import FIRST_TOKEN_ID
 
-TokenCallback = Callable[[Request, float, bool], None]
-"""(the request, time s, finished) for each token a request produces."""
+TokenCallback = Callable[[Request, Sequence[float], bool], None]
+"""(the request, times s, finished): tokens a request produced, one per time, in order;
+`finished`: the last of them ended it."""
 
 
 class _NoCopy:
@@ -267,13 +268,15 @@ class SimReplica:
         tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in run.running}
         updates = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
         ends = run.ends_s[run.applied : upto]
-        for end in ends[:-1]:
+        if len(ends) > 1:  # every request's tokens but the last, before anybody finishes
+            before_last = ends[:-1]
             for update in updates:
-                self.on_token(update.request, end, False)
+                self.on_token(update.request, before_last, False)
+        last = ends[-1:]
         for update in updates:
             if update.finished:
                 self._live.pop(update.request.request_id, None)
-            self.on_token(update.request, ends[-1], update.finished)
+            self.on_token(update.request, last, update.finished)
         run.applied = upto
 
     def _finish_run(self) -> None:
@@ -301,5 +304,5 @@ class SimReplica:
             rid = update.request.request_id
             if update.finished:
                 self._live.pop(rid, None)
-            self.on_token(update.request, now, update.finished)
+            self.on_token(update.request, (now,), update.finished)
         self._step()
