@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.llm import LLM
 from infercloud.engine.request_meter import RequestMeter, StepCostWeights, split_step
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import SchedulerConfig
+from infercloud.engine.step_meter import StepMeter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -28,6 +33,38 @@ def test_a_steps_shares_add_up_to_its_time(
     shares = split_step(chunks, step_s, StepCostWeights(pair_tokens))
     assert all(s >= 0 for s in shares)
     assert sum(shares) == pytest.approx(step_s, abs=1e-9)
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 3000), st.integers(0, 2)), min_size=1, max_size=12),
+    st.lists(st.floats(1e-4, 0.1), min_size=1, max_size=70),
+    st.floats(0.0, 0.01),
+)
+def test_a_decode_run_is_charged_as_its_steps_one_by_one(
+    requests: list[tuple[int, int]], steps_s: list[float], pair_tokens: float
+) -> None:
+    """`StepMeter.charge_decode_run` against `split_step` step by step: each request computes
+    one token a step; its table (its blocks for `start` tokens, plus `spare` allocated ahead)
+    grows by a block whenever its tokens need one, held from that step on."""
+    bs, block_bytes, held_bytes = 16, 1000, 5000.0
+    weights = StepCostWeights(pair_tokens)
+    meter = StepMeter(KVCacheManager(BlockPool(8), bs), block_bytes, weights)
+    starts = [start for start, _ in requests]
+    tables = [-(-start // bs) + spare for start, spare in requests]
+    run = [SimpleNamespace(meter=RequestMeter()) for _ in requests]
+    held = [(r, held_bytes) for r in run]
+    meter.charge_decode_run(run, starts, np.array(steps_s), held, tables)  # type: ignore[arg-type]
+    expected_compute = [0.0] * len(requests)
+    expected_byte_s = [0.0] * len(requests)
+    for j, step_s in enumerate(steps_s):
+        shares = split_step([(start + j, 1) for start in starts], step_s, weights)
+        for i, (start, table) in enumerate(zip(starts, tables, strict=True)):
+            expected_compute[i] += shares[i]
+            blocks = max(table, -(-(start + j + 1) // bs))
+            expected_byte_s[i] += (held_bytes + (blocks - table) * block_bytes) * step_s
+    for r, compute_s, byte_s in zip(run, expected_compute, expected_byte_s, strict=True):
+        assert r.meter.compute_s == pytest.approx(compute_s, rel=1e-9)
+        assert r.meter.kv_byte_s == pytest.approx(byte_s, rel=1e-9)
 
 
 def test_recompute_is_what_was_computed_before_or_evicted() -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +72,36 @@ class CacheNode:
     def num_tokens_to(self) -> int:
         """Tokens in the prefix this node ends (depth x block size)."""
         return self.depth * len(self.key)
+
+
+class RecentHashes:
+    """The hashes of the latest blocks added, at least the last `capacity` / 2 and at most
+    `capacity` of them: two generations of sets, the older dropped whole when the newer fills
+    (an add and a lookup are each one set operation, nothing per block to trim)."""
+
+    __slots__ = ("_half", "_new", "_old")
+
+    def __init__(self, capacity: int) -> None:
+        self._half = max(1, capacity // 2)
+        self._new: set[int] = set()
+        self._old: set[int] = set()
+
+    def add_all(self, hashes: Iterable[int]) -> None:
+        new = self._new
+        for h in hashes:
+            new.add(h)
+            if len(new) >= self._half:
+                self._old, self._new = new, set()
+                new = self._new
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._new or block_hash in self._old
+
+    def __len__(self) -> int:
+        return len(self._new | self._old)
+
+    def __bool__(self) -> bool:
+        return bool(self._new or self._old)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +159,7 @@ class PrefixCache:
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
-        self.recently_evicted: OrderedDict[int, None] = OrderedDict()
+        self.recently_evicted = RecentHashes(EVICTED_HASHES_KEPT)
         """Hashes of the latest evicted blocks (at most `EVICTED_HASHES_KEPT`), so that the
         ledger can tell context that is computed again from context never seen."""
 
@@ -361,10 +390,10 @@ class PrefixCache:
         ranked = self._ranked
         version = self._version
         candidates = self._candidates
-        recent = self.recently_evicted
         ref_count = self.pool.ref_count
         priority, stats = self._priority, self.stats
-        freed: list[int] = []
+        start = len(evicted)
+        unlinked: list[int] = []  # taken out of the tree, to release to the pool at once
         while ranked and len(evicted) < num_blocks:
             _, block, entry_version = heapq.heappop(ranked)
             if version[block] != entry_version or block not in candidates:
@@ -372,31 +401,26 @@ class PrefixCache:
             node = self._by_block[block]
             if priority is None:
                 evicted.append(self._remove(node))
-                recent[node.block_hash] = None
                 continue
             while True:
                 parent = self._unlink(node)
-                freed.append(node.block_id)
                 evicted.append(node)
-                recent[node.block_hash] = None
+                unlinked.append(node.block_id)
                 block = parent.block_id
                 if block < 0 or parent.children or ref_count(block) != 1:
                     break
-                version[block] += 1  # `_rank`, inlined
-                entry = (priority(stats, block), block, version[block])
-                candidates.add(block)
-                if len(evicted) == num_blocks or (ranked and ranked[0] < entry):
-                    heapq.heappush(ranked, entry)
+                # the parent is an idle leaf now: next in line, or ranked with the rest
+                p = priority(stats, block)
+                if len(evicted) == num_blocks or (
+                    ranked and ranked[0] < (p, block, version[block] + 1)
+                ):
+                    version[block] += 1  # `_rank`, inlined
+                    candidates.add(block)
+                    heapq.heappush(ranked, (p, block, version[block]))
                     break
                 node = parent  # it would be popped next: evict it now
-        self.pool.release(freed)
-        while len(recent) > EVICTED_HASHES_KEPT:
-            recent.popitem(last=False)
-
-    def _remember_evicted(self, node: CacheNode) -> None:
-        self.recently_evicted[node.block_hash] = None
-        if len(self.recently_evicted) > EVICTED_HASHES_KEPT:
-            self.recently_evicted.popitem(last=False)
+        self.pool.release(unlinked)
+        self.recently_evicted.add_all(n.block_hash for n in evicted[start:])
 
     def _evict_ranking(self, num_blocks: int, now_s: float, evicted: list[CacheNode]) -> None:
         candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
@@ -408,7 +432,7 @@ class PrefixCache:
             node = self._by_block[block]
             parent = node.parent
             evicted.append(self._remove(node))
-            self._remember_evicted(node)
+            self.recently_evicted.add_all((node.block_hash,))
             if parent is not None and parent.block_id in self._candidates:
                 one = np.array([parent.block_id], dtype=np.int64)
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])

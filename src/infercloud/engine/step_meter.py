@@ -117,16 +117,25 @@ class StepMeter:
         the same work weights; each holder its bytes x the run's time, plus the blocks its
         table gains during the run (`table_blocks`: its length when `held` was read), held
         alone from the step that allocates them, as `held` counts them."""
+        # Step j's work of request i is 1 + a (start_i + j + 1): its share of the step is
+        # affine in start_i, so each request's charge is (1 + a start_i) A + a B, with the two
+        # sums over the steps below (no request x step array).
         steps = len(steps_s)
         step_s = np.asarray(steps_s, dtype=float)
-        computed = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(1, steps + 1)[None, :]
-        work = 1.0 + self.weights.attention_pair_tokens * computed
-        shares = (work / work.sum(axis=0) * step_s[None, :]).sum(axis=1)
-        for request, start, chunk_s in zip(requests, starts, shares.tolist(), strict=True):
-            request.meter.charge_chunk(start, steps, chunk_s)
+        a = self.weights.attention_pair_tokens
+        n = len(starts)
+        j1 = np.arange(1, steps + 1)
+        per_work = step_s / (n + a * (sum(starts) + n * j1))
+        sum_a = float(per_work.sum())
+        sum_b = float((j1 * per_work).sum())
+        for request, start in zip(requests, starts, strict=True):
+            request.meter.charge_chunk(start, steps, (1.0 + a * start) * sum_a + a * sum_b)
+        # A table of T blocks gains one at the first step j with start + j + 1 > T x bs, and
+        # another every bs steps after; each is held from that step to the run's end.
         bs = self.kv_cache.block_size
-        grown = np.maximum(0, -(-computed // bs) - np.asarray(table_blocks)[:, None])
-        grown_byte_s = (grown * step_s[None, :]).sum(axis=1) * self.block_bytes
+        tail_s = np.cumsum(step_s[::-1])[::-1].tolist()
         total_s = float(step_s.sum())
-        for (request, held_bytes), extra in zip(held, grown_byte_s.tolist(), strict=True):
-            request.meter.kv_byte_s += held_bytes * total_s + extra
+        byte_s = self.block_bytes
+        for (request, held_bytes), start, table in zip(held, starts, table_blocks, strict=True):
+            grown_s = sum(tail_s[j] for j in range(max(0, table * bs - start), steps, bs))
+            request.meter.kv_byte_s += held_bytes * total_s + grown_s * byte_s

@@ -205,10 +205,20 @@ class SimReplica:
         self.num_steps += 1
         self.loop.after(duration_s, lambda: self._complete(output, sampled), FINISH)
 
-    def _next_token(self, request: Request, ahead: int = 0) -> int:
+    def _next_token(self, request: Request) -> int:
         answer = self._live[request.request_id].answer
-        k = request.num_output_tokens + ahead
+        k = request.num_output_tokens
         return answer[k] if answer is not None and k < len(answer) else FIRST_TOKEN_ID
+
+    def _next_tokens(self, request: Request, steps: int) -> list[int]:
+        """The request's next `steps` tokens: its given answer's (a multi-turn session's
+        reply, which the next turn's prompt repeats), then filler."""
+        answer = self._live[request.request_id].answer
+        if answer is None:
+            return [FIRST_TOKEN_ID] * steps
+        k = request.num_output_tokens
+        given = answer[k : k + steps]
+        return given + [FIRST_TOKEN_ID] * (steps - len(given))
 
     # -- runs of decode steps -------------------------------------------------------------------
 
@@ -265,7 +275,7 @@ class SimReplica:
 
     def _apply(self, run: _Run, upto: int) -> None:
         steps = upto - run.applied
-        tokens = {r.request_id: [self._next_token(r, i) for i in range(steps)] for r in run.running}
+        tokens = {r.request_id: self._next_tokens(r, steps) for r in run.running}
         updates = self.scheduler.advance_decode_run(steps, tokens, self.loop.now_s)
         ends = run.ends_s[run.applied : upto]
         if len(ends) > 1:  # every request's tokens but the last, before anybody finishes
