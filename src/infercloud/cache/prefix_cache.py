@@ -454,7 +454,11 @@ class PrefixCache:
         block = node.block_id
         parent = node.parent
         assert parent is not None and not node.children
-        del parent.children[node.key]
+        siblings = parent.children
+        if len(siblings) == 1:  # a chain: no need to hash the key (its ints are cold by now)
+            siblings.clear()
+        else:
+            del siblings[node.key]
         del self._by_block[block]
         self._candidates.discard(block)
         self.num_idle -= 1
