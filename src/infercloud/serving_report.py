@@ -11,7 +11,7 @@ towards goodput when it meets every SLO given (TTFT, TPOT, E2EL, in ms).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +24,7 @@ class RequestTiming:
     ok: bool
     ttft_s: float = 0.0
     e2el_s: float = 0.0
-    itls_s: Sequence[float] = field(default_factory=list)
+    itls_s: MutableSequence[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0

@@ -75,14 +75,15 @@ class CacheNode:
 
 
 class RecentHashes:
-    """The hashes of the latest blocks added, at least the last `capacity` / 2 and at most
-    `capacity` of them: two generations of sets, the older dropped whole when the newer fills
-    (an add and a lookup are each one set operation, nothing per block to trim)."""
+    """The hashes of the latest blocks added: at least the last `capacity` distinct ones and at
+    most twice as many. Two generations of sets, the older dropped whole when the newer holds
+    `capacity` (an add and a lookup are each a set operation, nothing to trim per block); a
+    hash added again counts from then."""
 
-    __slots__ = ("_half", "_new", "_old")
+    __slots__ = ("_capacity", "_new", "_old")
 
     def __init__(self, capacity: int) -> None:
-        self._half = max(1, capacity // 2)
+        self._capacity = max(1, capacity)
         self._new: set[int] = set()
         self._old: set[int] = set()
 
@@ -90,7 +91,7 @@ class RecentHashes:
         new = self._new
         for h in hashes:
             new.add(h)
-            if len(new) >= self._half:
+            if len(new) >= self._capacity:
                 self._old, self._new = new, set()
                 new = self._new
 
@@ -160,8 +161,8 @@ class PrefixCache:
         self.num_idle = 0
         self.num_evicted_blocks = 0
         self.recently_evicted = RecentHashes(EVICTED_HASHES_KEPT)
-        """Hashes of the latest evicted blocks (at most `EVICTED_HASHES_KEPT`), so that the
-        ledger can tell context that is computed again from context never seen."""
+        """Hashes of the latest evicted blocks (at least the last `EVICTED_HASHES_KEPT`), so
+        that the ledger can tell context that is computed again from context never seen."""
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -383,10 +384,11 @@ class PrefixCache:
         return evicted
 
     def _evict_ranked(self, num_blocks: int, evicted: list[CacheNode]) -> None:
-        """Static priorities: pop the standing ranking (parents that become candidates join it
-        as `_remove` adds them), the same greedy order as ranking all candidates now. A parent
-        whose entry would be the next one popped is evicted at once, without the round trip
-        through the heap (a request's chain of blocks goes leaf to root)."""
+        """Static priorities: pop the standing ranking, the same greedy order as ranking all
+        candidates now. A parent left an idle leaf is ranked at once: if its entry would be the
+        next one popped it is evicted right away, without entering the candidates or the heap
+        (a request's chain of blocks goes leaf to root), else it joins both. The blocks taken
+        out are released to the pool together at the end."""
         ranked = self._ranked
         version = self._version
         candidates = self._candidates
@@ -438,13 +440,13 @@ class PrefixCache:
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])
                 heapq.heappush(heap, (priority, parent.block_id))
 
-    def _remove(self, node: CacheNode, rank_parent: bool = True) -> CacheNode:
+    def _remove(self, node: CacheNode) -> CacheNode:
         """Take an idle leaf out of the tree and free its block; a parent left an idle leaf
-        becomes a candidate (`rank_parent`; else the caller ranks it)."""
+        becomes a candidate."""
         parent = self._unlink(node)
         self.pool.release([node.block_id])
         block = parent.block_id
-        if rank_parent and block >= 0 and not parent.children and self.pool.ref_count(block) == 1:
+        if block >= 0 and not parent.children and self.pool.ref_count(block) == 1:
             self._add_candidates([block])
         return node
 

@@ -137,5 +137,6 @@ class StepMeter:
         total_s = float(step_s.sum())
         byte_s = self.block_bytes
         for (request, held_bytes), start, table in zip(held, starts, table_blocks, strict=True):
+            assert table * bs >= start, "a table holds the tokens computed before the run"
             grown_s = sum(tail_s[j] for j in range(max(0, table * bs - start), steps, bs))
             request.meter.kv_byte_s += held_bytes * total_s + grown_s * byte_s

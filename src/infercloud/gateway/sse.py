@@ -19,7 +19,7 @@ _END = b"\n\n"
 
 
 class UsageRelay:
-    __slots__ = ("_buffer", "saw_data", "saw_token", "usage", "want_usage")
+    __slots__ = ("_buffer", "saw_data", "saw_done", "saw_token", "usage", "want_usage")
 
     def __init__(self, want_usage: bool) -> None:
         self.want_usage = want_usage
@@ -29,6 +29,9 @@ class UsageRelay:
         self.saw_token = False
         """True once an event carried generated text (the first token is out; a role-only
         first chunk does not count). Events are parsed for this only until it is true."""
+        self.saw_done = False
+        """True once the stream's last event (`data: [DONE]`, a whole event, not text that
+        mentions it) passed."""
         self._buffer = b""
 
     def feed(self, block: bytes) -> bytes:
@@ -42,6 +45,8 @@ class UsageRelay:
             self.saw_data = True
         if self.saw_data and not self.saw_token:
             self.saw_token = any(_has_token(e) for e in complete[:-2].split(_END))
+        if b"[DONE]" in complete and not self.saw_done:
+            self.saw_done = any(e.strip() == b"data: [DONE]" for e in complete[:-2].split(_END))
         if b'"usage"' not in complete:
             return complete
         return b"".join(self._event(e) for e in complete[:-2].split(_END))
@@ -51,6 +56,8 @@ class UsageRelay:
         rest, self._buffer = self._buffer, b""
         if not rest.strip():
             return rest
+        if rest.strip() == b"data: [DONE]":
+            self.saw_done = True
         return b"".join(self._event(e) for e in rest.rstrip(b"\n").split(_END))
 
     def _event(self, event: bytes) -> bytes:

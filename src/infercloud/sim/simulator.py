@@ -49,7 +49,8 @@ def reference_counting_only() -> Iterator[None]:
     A simulation keeps millions of long-lived objects (tree nodes, requests, timings) and makes
     almost no cyclic garbage (`test_a_simulation_leaves_no_cyclic_garbage`): what it drops is
     freed by reference counts, and the collector's passes over the live heap cost a quarter of
-    the run's time on the Azure trace without freeing anything."""
+    the run's time on the Azure trace without freeing anything. The switch is process-wide:
+    simulations run side by side in threads would turn it back on for each other."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
