@@ -214,16 +214,23 @@ class Flight:
             kv_byte_s=_number(meter.get("kv_byte_s")),
             failed_attempt_s=",".join(f"{x:.6f}" for x in self.failed_attempt_s) or None,
         )
-        gw.writer.record(record)
-        gw.metric_requests.labels(dep.name if dep else "", str(status), outcome).inc()
         # Tokens per minute: charge the output and correct the prompt estimate.
         correction = prompt + completion - self.prompt_tokens_charged if usage else 0
         if self.slots or (correction and self.tpm_keys) or (cost and self.spend_keys):
             # shielded: shared limits (Redis) wait on the network, and a client leaving then
-            # must not leave a slot taken or a spend uncounted
-            await gw.shielded(self._settle_limits(correction, cost))
+            # must not leave a slot taken, a spend uncounted or the record unwritten
+            await gw.shielded(self._settle_then_record(correction, cost, record))
+        else:
+            self._record(record)
 
-    async def _settle_limits(self, correction: int, cost: float) -> None:
+    def _record(self, record: UsageRecord) -> None:
+        gw = self.gateway
+        gw.writer.record(record)
+        gw.metric_requests.labels(record.model or "", str(record.status), record.outcome).inc()
+
+    async def _settle_then_record(self, correction: int, cost: float, record: UsageRecord) -> None:
+        """Settle the limits (the spend first, so that a budget read back from the records
+        never counts this request twice), then write the record."""
         gw = self.gateway
         for key in self.slots:
             await gw.limits.release_slot(key)
@@ -234,6 +241,7 @@ class Flight:
             ttl = gw.budget_ttl_s
             for key in self.spend_keys:
                 await gw.limits.add_spend(key, cost, ttl)
+        self._record(record)
 
 
 def _number(value: Any) -> float | None:
