@@ -66,14 +66,6 @@ class BlockPool:
             raise ValueError(f"block {block_id} is free; only a used block can be shared")
         self._ref_counts[block_id] += 1
 
-    def retain_all(self, block_ids: list[int]) -> None:
-        """`retain` each of `block_ids`."""
-        counts = self._ref_counts
-        for block_id in block_ids:
-            if counts[block_id] <= 0:
-                raise ValueError(f"block {block_id} is free; only a used block can be shared")
-            counts[block_id] += 1
-
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block; blocks that reach zero become free."""
         for block_id in block_ids:

@@ -98,9 +98,6 @@ class RecentHashes:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._new or block_hash in self._old
 
-    def __len__(self) -> int:
-        return len(self._new | self._old)
-
     def __bool__(self) -> bool:
         return bool(self._new or self._old)
 
@@ -351,7 +348,8 @@ class PrefixCache:
             if block in by_block:
                 break
             key = tuple(token_ids[i * bs : (i + 1) * bs])
-        self.pool.retain_all(blocks)
+        for block in blocks:
+            self.pool.retain(block)
         origin = EXTENSION if extends_hit else FRESH
         depths = list(range(node.depth + 1, node.depth + 1 + len(blocks)))
         self.stats.record_inserts(blocks, depths, stored, origin, now_s)
@@ -374,6 +372,7 @@ class PrefixCache:
             self._evict_ranked(num_blocks, evicted)
         else:
             self._evict_ranking(num_blocks, now_s, evicted)
+        self.recently_evicted.add_all(n.block_hash for n in evicted)
         if self.on_event is not None and evicted:
             by_salt: dict[str, list[int]] = {}
             for n in evicted:
@@ -394,7 +393,6 @@ class PrefixCache:
         candidates = self._candidates
         ref_count = self.pool.ref_count
         priority, stats = self._priority, self.stats
-        start = len(evicted)
         unlinked: list[int] = []  # taken out of the tree, to release to the pool at once
         while ranked and len(evicted) < num_blocks:
             _, block, entry_version = heapq.heappop(ranked)
@@ -422,7 +420,6 @@ class PrefixCache:
                     break
                 node = parent  # it would be popped next: evict it now
         self.pool.release(unlinked)
-        self.recently_evicted.add_all(n.block_hash for n in evicted[start:])
 
     def _evict_ranking(self, num_blocks: int, now_s: float, evicted: list[CacheNode]) -> None:
         candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
@@ -434,7 +431,6 @@ class PrefixCache:
             node = self._by_block[block]
             parent = node.parent
             evicted.append(self._remove(node))
-            self.recently_evicted.add_all((node.block_hash,))
             if parent is not None and parent.block_id in self._candidates:
                 one = np.array([parent.block_id], dtype=np.int64)
                 priority = float(self.policy.priorities(self.stats, one, now_s)[0])

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import json
@@ -296,17 +297,18 @@ class ReplicaFailed(Exception):
 
 
 class EjectionWatch:
-    """Closes an upstream response if its replica is ejected while the gateway reads it,
-    checking every `period_s`: one timer per period for the whole response, instead of a task
-    and a timeout per read (a stream is many reads). A read pending on a closed response fails
-    with `aiohttp.ClientConnectionError`; `fired` tells that the watch closed it."""
+    """Calls `on_eject` once if the replica is ejected while the gateway waits on it, checking
+    every `period_s`: one timer per period for the whole wait, instead of a task and a timeout
+    per read (a stream is many reads). Closing an upstream response makes a read pending on it
+    fail with `aiohttp.ClientConnectionError`; cancelling the request's task ends a wait for
+    its headers. `fired` tells that the watch did it."""
 
     def __init__(
-        self, state: ReplicaState, period_s: float, upstream: aiohttp.ClientResponse
+        self, state: ReplicaState, period_s: float, on_eject: Callable[[], object]
     ) -> None:
         self.state = state
         self.period_s = period_s
-        self.upstream = upstream
+        self.on_eject = on_eject
         self.fired = False
         self._loop = asyncio.get_running_loop()
         self._handle: asyncio.TimerHandle | None = self._loop.call_later(period_s, self._check)
@@ -315,7 +317,7 @@ class EjectionWatch:
         if self.state.status == "ejected":
             self.fired = True
             self._handle = None
-            self.upstream.close()
+            self.on_eject()
         else:
             self._handle = self._loop.call_later(self.period_s, self._check)
 
@@ -380,9 +382,9 @@ class Gateway:
         """Open replica span ids by replica name."""
         self._session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], yarl.URL] = {}
+        """Parsed upstream URLs by (replica URL, endpoint)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Shielded work in flight (`shielded`)."""
-        """Parsed upstream URLs by (replica URL, endpoint)."""
         self._key_reader = store.async_key_reader()
         """PostgreSQL key lookups on the event loop (SQLite's are local and synchronous)."""
         self.registry = CollectorRegistry()
@@ -890,27 +892,15 @@ class Gateway:
         replica's requests move on once its health checks fail."""
         task = asyncio.current_task()
         assert task is not None
-        loop = asyncio.get_running_loop()
-        ejected = False
-        timer: list[asyncio.TimerHandle] = []
-
-        def check() -> None:
-            nonlocal ejected
-            if state.status == "ejected":
-                ejected = True
-                task.cancel()
-            else:
-                timer[0] = loop.call_later(period_s, check)
-
-        timer.append(loop.call_later(period_s, check))
+        watch = EjectionWatch(state, period_s, task.cancel)
         try:
             return await awaitable
         except asyncio.CancelledError:
-            if ejected and task.uncancel() == 0:
+            if watch.fired and task.uncancel() == 0:
                 raise ReplicaFailed(f"replica {state.name} was ejected", connection=True) from None
             raise
         finally:
-            timer[0].cancel()
+            watch.cancel()
 
     async def _attempt(
         self,
@@ -958,7 +948,7 @@ class Gateway:
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ReplicaFailed(repr(exc), connection=True) from exc
-        watch = EjectionWatch(state, period_s, upstream)
+        watch = EjectionWatch(state, period_s, upstream.close)
         if upstream.status != 200 or not body.stream:
             try:
                 content = await upstream.read()
@@ -1013,17 +1003,11 @@ class Gateway:
             flight.first_token_s = self.clock()
             ReplicaSet.first_token(route)
 
-        async def abandon() -> None:
-            if not flight.done:  # the relay never started: nobody closed the replica's answer
-                watch.cancel()
-                upstream.close()
-                await flight.finish("cancelled", 499, relay.usage, error="client disconnected")
-
         return RelayResponse(
             self._relay(flight, upstream, watch, relay, held, events),
             media_type="text/event-stream",
             headers=headers,
-            on_abandon=abandon,
+            on_abandon=functools.partial(self._client_gone, flight, upstream, watch, relay),
         )
 
     async def _relay(
@@ -1069,18 +1053,29 @@ class Gateway:
             yield f"data: {json.dumps(body)}\n\n".encode()
             return
         except BaseException:
-            watch.cancel()
-            upstream.close()  # the client left: dropping the connection aborts the replica's work
-            if relay.saw_done:  # it left after the last event, before the replica's end
-                await flight.finish("completed", 200, relay.usage)
-            else:
-                await flight.finish(
-                    "cancelled", 200, relay.usage, error="client disconnected mid-stream"
-                )
+            await self._client_gone(flight, upstream, watch, relay)
             raise
         watch.cancel()
         upstream.release()
         await flight.finish("completed", 200, relay.usage)
+
+    @staticmethod
+    async def _client_gone(
+        flight: Flight, upstream: aiohttp.ClientResponse, watch: EjectionWatch, relay: UsageRelay
+    ) -> None:
+        """The client left a stream the flight has not finished (no-op once it has): drop the
+        replica's answer (closing the connection aborts its work) and finish the flight, as
+        completed if the last event had passed."""
+        if flight.done:
+            return
+        watch.cancel()
+        upstream.close()
+        if relay.saw_done:  # it left after the last event, before the replica's end
+            await flight.finish("completed", 200, relay.usage)
+        else:
+            await flight.finish(
+                "cancelled", 200, relay.usage, error="client disconnected mid-stream"
+            )
 
 
 class RelayResponse(Response):
@@ -1089,9 +1084,8 @@ class RelayResponse(Response):
     The server drops writes after a disconnect without an error, so a listener waits for
     `http.disconnect` and cancels the stream; the generator is then closed, which runs its own
     clean-up (the upstream response closed, the flight finished), or, if it never started,
-    `on_abandon` does. One asyncio task per stream
-    instead of Starlette's `StreamingResponse` and its anyio task group (a fifth of the
-    gateway's CPU per streamed request)."""
+    `on_abandon` does. One asyncio task per stream instead of Starlette's `StreamingResponse`
+    and its anyio task group (a fifth of the gateway's CPU per streamed request)."""
 
     def __init__(
         self,

@@ -199,16 +199,13 @@ class SimReplica:
             second.cost.observe_step(shape.num_tokens, shape.attention_pairs, duration_s)
             second.cost.observe_copy(1, self.perf.host_copy_s_per_block())
         sampled = {
-            c.request.request_id: self._next_token(c.request) for c in output.chunks if c.samples
+            c.request.request_id: self._next_tokens(c.request, 1)[0]
+            for c in output.chunks
+            if c.samples
         }
         self.busy_s += duration_s
         self.num_steps += 1
         self.loop.after(duration_s, lambda: self._complete(output, sampled), FINISH)
-
-    def _next_token(self, request: Request) -> int:
-        answer = self._live[request.request_id].answer
-        k = request.num_output_tokens
-        return answer[k] if answer is not None and k < len(answer) else FIRST_TOKEN_ID
 
     def _next_tokens(self, request: Request, steps: int) -> list[int]:
         """The request's next `steps` tokens: its given answer's (a multi-turn session's
