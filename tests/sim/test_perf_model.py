@@ -69,6 +69,25 @@ def test_roofline_regimes_and_tensor_parallel() -> None:
     assert tp2.work(prefill).comm_bytes > 0
 
 
+def test_a_prefill_chunk_costs_per_chunk_s_and_a_decode_does_not() -> None:
+    base = Efficiency(per_chunk_s=0.0)
+    chunked = replace(base, per_chunk_s=0.002)
+    four_chunks = StepShape(tuple((0, 64) for _ in range(4)), 4)
+    one_chunk = StepShape(((0, 256),), 1)
+    decodes = StepShape(tuple((500, 1) for _ in range(8)), 8)
+    mixed = StepShape((*decodes.chunks, (0, 64)), 9)
+    for shape, prefill_chunks in ((four_chunks, 4), (one_chunk, 1), (decodes, 0), (mixed, 1)):
+        extra = _perf(efficiency=chunked).step_s(shape) - _perf(efficiency=base).step_s(shape)
+        assert extra == pytest.approx(0.002 * prefill_chunks)
+    # a decode run prices its steps as step_s does (no prefill chunk in it)
+    perf = _perf(efficiency=chunked)
+    starts = [100, 200, 300]
+    run = perf.decode_run_s(starts, 3)
+    for j in range(3):
+        step = StepShape(tuple((s + j, 1) for s in starts), 3)
+        assert run[j] == pytest.approx(perf.step_s(step))
+
+
 def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
     truth = Efficiency(
         compute=0.35,
@@ -78,14 +97,19 @@ def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
         overlap=0.5,
         overhead_s=0.004,
         per_seq_s=3e-5,
+        per_chunk_s=2e-3,
         source="truth",
     )
     perf = _perf(efficiency=truth)
     rng = random.Random(0)
     shapes = []
-    for _ in range(60):
-        if rng.random() < 0.5:
+    for _ in range(80):
+        kind = rng.random()
+        if kind < 0.35:
             shapes.append(StepShape(((0, rng.randint(16, 4096)),), 1))
+        elif kind < 0.5:
+            n = rng.randint(2, 32)
+            shapes.append(StepShape(tuple((0, rng.randint(16, 128)) for _ in range(n)), n))
         else:
             b = rng.randint(1, 128)
             shapes.append(StepShape(tuple((rng.randint(16, 4000), 1) for _ in range(b)), b))
@@ -96,6 +120,7 @@ def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
     assert fitted.compute == pytest.approx(truth.compute, rel=0.05)
     assert fitted.bandwidth == pytest.approx(truth.bandwidth, rel=0.05)
     assert fitted.overhead_s == pytest.approx(truth.overhead_s, rel=0.1)
+    assert fitted.per_chunk_s == pytest.approx(truth.per_chunk_s, rel=0.1)
     assert fitted.source == "test"
     with pytest.raises(ValueError, match="at least"):
         fit_efficiency(start, samples[:3], "test")

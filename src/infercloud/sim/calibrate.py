@@ -6,8 +6,8 @@ Three measurements, then a fit:
   3. the builtin engine's own steps, served as `infercloud engine` serves them (its default
      scheduler, prefix cache on, requests streamed over HTTP) with `--step-log`: prefill sweeps
      (one prompt of 16 .. 2048 tokens, chunked as the scheduler chunks them) and decode sweeps
-     (batches of 1 .. 64 requests at contexts of 64 .. 1536 tokens), then mixed steps (long
-     prompts chunked in beside a decoding batch). Each step is logged with
+     (batches of 1 .. 64 requests, each with its own context of 64 .. 1536 tokens), then mixed
+     steps (long prompts chunked in beside a decoding batch of 4 .. 64). Each step is logged with
      its `StepShape` and its period (start to the next step's start), so the serving work
      between and during steps (streaming the outputs, on the same cores) is part of it.
 The efficiency factors of `sim.perf_model` are then fitted to the measured steps, and the CPU's
@@ -40,7 +40,7 @@ LOCAL = "local-cpu"
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 48, 64)
 DECODE_CONTEXTS = (64, 512, 1536)
-MIXED_BATCHES = (4, 16, 48)
+MIXED_BATCHES = (4, 16, 32, 48, 64)
 
 
 def cpu_name() -> str:
@@ -114,10 +114,15 @@ async def _first_token(client: Any, url: str, model: str, prompt: list[int]) -> 
 async def _drive(
     url: str, model: str, vocab: int, max_pool_tokens: int, max_len: int, seed: int
 ) -> None:
-    """Prefill sweeps (one prompt at a time), then decode sweeps: a batch of requests that share
-    their context but for the last 16 tokens; the shared part is computed once (sent alone
-    first, so the prefix cache holds it), then the batch decodes 12 tokens together, each
-    request attending to its whole context every step."""
+    """Prefill sweeps (one prompt at a time), then decode sweeps, then mixed steps.
+
+    Decode sweeps: for each context length, a set of distinct contexts is computed once (sent
+    with one output token, so the prefix cache holds them); then batches of 1 .. 64 requests,
+    each its own context plus 16 new tokens, decode 12 tokens together, each attending to its
+    whole context every step. Contexts are distinct because real traffic's are: a batch that
+    shares one context reads it from the CPU's caches and would price KV reads too cheaply.
+    Mixed steps: prompts of 1024 tokens arrive while such a batch decodes (chunked prefill
+    beside it), as under overload."""
     import asyncio
 
     import httpx
@@ -127,33 +132,45 @@ async def _drive(
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
+    def fits(batch: int, ctx: int) -> bool:
+        return batch * (ctx + 16) <= max_pool_tokens and ctx + 12 <= max_len
+
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
+        async def computed(contexts: list[list[int]]) -> None:
+            """Prefill the contexts, a few at a time, so the prefix cache holds them."""
+            for i in range(0, len(contexts), 8):
+                await asyncio.gather(
+                    *(_first_token(client, url, model, c) for c in contexts[i : i + 8])
+                )
+
         await asyncio.gather(*(_stream(client, url, model, prompt(64), 8) for _ in range(4)))
         for n in PREFILL_LENGTHS:
             if n + 2 <= max_len:
                 await _stream(client, url, model, prompt(n), 2)
         for ctx in DECODE_CONTEXTS:
-            for batch in DECODE_BATCHES:
-                if batch * (ctx + 16) > max_pool_tokens or ctx + 12 > max_len:
-                    continue
-                shared = prompt(ctx - 16)
-                await _first_token(client, url, model, shared)
+            batches = [b for b in DECODE_BATCHES if fits(b, ctx)]
+            if not batches:
+                continue
+            contexts = [prompt(ctx - 16) for _ in range(max(batches))]
+            await computed(contexts)
+            for batch in batches:
                 await asyncio.gather(
-                    *(_stream(client, url, model, shared + prompt(16), 12) for _ in range(batch))
+                    *(_stream(client, url, model, c + prompt(16), 12) for c in contexts[:batch])
                 )
         # mixed steps: long prompts arriving while a batch decodes (chunked prefill beside it)
+        ctx = 512
         for batch in MIXED_BATCHES:
-            ctx = 512
-            if batch * (ctx + 48) + 2 * 1024 > max_pool_tokens or max_len < 1024 + 2:
+            if batch * (ctx + 48) + 4 * 1024 > max_pool_tokens or max_len < 1024 + 2:
                 continue
-            shared = prompt(ctx - 16)
-            await _first_token(client, url, model, shared)
+            contexts = [prompt(ctx - 16) for _ in range(batch)]
+            await computed(contexts)
             decoders = [
-                asyncio.ensure_future(_stream(client, url, model, shared + prompt(16), 40))
-                for _ in range(batch)
+                asyncio.ensure_future(_stream(client, url, model, c + prompt(16), 40))
+                for c in contexts
             ]
             await asyncio.sleep(0.5)
-            await asyncio.gather(*(_stream(client, url, model, prompt(1024), 2) for _ in range(2)))
+            await asyncio.gather(*(_stream(client, url, model, prompt(1024), 2) for _ in range(4)))
             await asyncio.gather(*decoders)
 
 

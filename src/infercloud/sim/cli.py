@@ -156,7 +156,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         print(
             f"efficiency: compute {eff['compute']:.3f}, attention {eff['attention']:.3f}, "
             f"bandwidth {eff['bandwidth']:.3f}, overhead {eff['overhead_s'] * 1e3:.2f} ms/step, "
-            f"{eff['per_seq_s'] * 1e6:.1f} us/seq; median step error "
+            f"{eff['per_seq_s'] * 1e6:.1f} us/seq, "
+            f"{eff['per_chunk_s'] * 1e3:.2f} ms/prefill chunk; median step error "
             f"{result['calibration']['median_abs_error']:.1%} over "
             f"{result['calibration']['num_steps']} steps"
         )

@@ -4,8 +4,9 @@ A step (`StepShape`) does three kinds of work:
 
     compute_s = linear_flops / (peak x e_compute) + attention_flops / (peak x e_attention)
     memory_s  = weight bytes / (bandwidth x e_bandwidth) + KV bytes / (bandwidth x e_kv)
-    step_s    = overhead_s + per_seq_s x seqs + max(compute_s, memory_s)
-                + (1 - overlap) x min(compute_s, memory_s) + comm_s + host_load_s
+    step_s    = overhead_s + per_seq_s x seqs + per_chunk_s x prefill chunks
+                + max(compute_s, memory_s) + (1 - overlap) x min(compute_s, memory_s)
+                + comm_s + host_load_s
 
   - linear_flops = 2 x (weights a token meets in all layers) x tokens + 2 x hidden x vocab x
     sampled rows (the LM head runs only where a token is sampled);
@@ -17,7 +18,12 @@ A step (`StepShape`) does three kinds of work:
     default), 0 where they add up (what a CPU engine that gathers KV before attending does);
   - comm_s (tensor parallel over `tp` devices): two all-reduces of the activations per layer,
     2 (tp - 1) / tp x tokens x hidden x dtype bytes each, over the interconnect;
-  - host_load_s: blocks copied back from the second tier over the host link.
+  - host_load_s: blocks copied back from the second tier over the host link;
+  - per_chunk_s: what each prefill chunk (a request computing more than one token in the
+    step) costs beyond its FLOPs and bytes. An engine that attends chunk by chunk (the builtin
+    engine gathers each chunk's context and builds its causal mask in every layer) pays it; a
+    fused variable-length attention kernel (vLLM, SGLang on GPUs) nearly nothing, hence the
+    default 0.
 
 So prefill is compute-bound (flops grow with tokens, bytes barely), decode is bandwidth-bound
 (weights and KV are read for a handful of tokens), and the crossover falls where the roofline
@@ -69,6 +75,8 @@ class Efficiency:
     """Fixed cost of a step (scheduling, kernel launches, sampling, host work)."""
     per_seq_s: float = 2e-5
     """Extra cost per request in the step (block tables, sampling, output handling)."""
+    per_chunk_s: float = 0.0
+    """Extra cost per prefill chunk in the step (attention run chunk by chunk)."""
     source: str = "defaults (uncalibrated)"
 
 
@@ -81,6 +89,7 @@ class StepWork:
     comm_bytes: float
     host_bytes: float
     num_seqs: int
+    num_prefill_chunks: int
 
 
 class PerfModel:
@@ -115,7 +124,10 @@ class PerfModel:
             per_reduce = 2 * (self.tp - 1) / self.tp * tokens * m.hidden_size * self.dtype_bytes
             comm = 2 * m.num_layers * per_reduce
         host = shape.host_blocks_loaded * self.block_size * self.kv_bytes_per_token
-        return StepWork(linear, attention, self.weight_bytes, kv, comm, host, shape.num_seqs)
+        prefill_chunks = sum(1 for _, n in shape.chunks if n > 1)
+        return StepWork(
+            linear, attention, self.weight_bytes, kv, comm, host, shape.num_seqs, prefill_chunks
+        )
 
     def time_of(self, work: StepWork, eff: Efficiency | None = None) -> float:
         e = eff or self.efficiency
@@ -130,7 +142,9 @@ class PerfModel:
         )
         comm_s = work.comm_bytes / (d.interconnect_gbps * 1e9) if work.comm_bytes else 0.0
         host_s = work.host_bytes / (d.host_link_gbps * 1e9) if work.host_bytes else 0.0
-        fixed_s = e.overhead_s + e.per_seq_s * work.num_seqs
+        fixed_s = (
+            e.overhead_s + e.per_seq_s * work.num_seqs + e.per_chunk_s * work.num_prefill_chunks
+        )
         if isinstance(compute_s, np.ndarray) or isinstance(memory_s, np.ndarray):
             hi, lo = np.maximum(compute_s, memory_s), np.minimum(compute_s, memory_s)
         else:
@@ -158,6 +172,7 @@ class PerfModel:
             first.comm_bytes,
             first.host_bytes,
             first.num_seqs,
+            0,
         )
         return self.time_of(run)
 
@@ -177,6 +192,7 @@ _FIELDS = (
     "overlap",
     "overhead_s",
     "per_seq_s",
+    "per_chunk_s",
 )
 
 
@@ -209,8 +225,8 @@ def fit_efficiency(
     x0 = np.array([getattr(start, f) for f in _FIELDS], dtype=float)
     x0[5] = max(x0[5], float(np.min(measured)) / 2)
     x0[4] = 0.5
-    lower = np.array([1e-4, 1e-4, 1e-4, 1e-4, 0.0, 0.0, 0.0])
-    upper = np.array([2.0, 2.0, 2.0, 2.0, 1.0, math.inf, math.inf])
+    lower = np.array([1e-4, 1e-4, 1e-4, 1e-4, 0.0, 0.0, 0.0, 0.0])
+    upper = np.array([2.0, 2.0, 2.0, 2.0, 1.0, math.inf, math.inf, math.inf])
     x0 = np.clip(x0, lower + 1e-9, np.where(np.isinf(upper), x0 + 1.0, upper))
     fit = least_squares(residuals, x0, bounds=(lower, upper), x_scale="jac")
     eff = effs(fit.x)
