@@ -99,3 +99,12 @@ def test_smollm2_matches_transformers(real_model_dir: Path) -> None:
     got = engine_greedy(llm, prompts, 32)
     assert got == reference_greedy(real_model_dir, prompts, 32)
     assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_decode_groups_of_different_lengths_match_transformers(tiny_model_dir: Path) -> None:
+    """With no fixed cost per group, every context length decodes in its own group."""
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_group_overhead_tokens=0)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = varied_prompts(vocab, [3, 70, 9, 40, 150, 17])
+    got = engine_greedy(llm, prompts, 20)
+    assert got == reference_greedy(tiny_model_dir, prompts, 20)

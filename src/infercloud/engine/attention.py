@@ -10,7 +10,8 @@ head), then each query reads the blocks of its own request's block table.
 The row indices are built once per step by the model runner and shared by all layers.
 
 Queries are grouped as the model runner lays them out: all single-token (decode) rows first,
-batched into one call, then each multi-token chunk (prefill) with its own causal bias.
+in groups of similar context length (`decode_groups`), each group batched into one call, then
+each multi-token chunk (prefill) with its own causal bias.
 Grouped-query attention needs no copies of the KV heads: the query heads that share a KV head
 are folded into the query-length axis.
 """
@@ -24,8 +25,9 @@ import torch
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """`num_seqs` single-token queries in rows `0 .. num_seqs - 1` of the step."""
+    """`num_seqs` single-token queries in rows `row_start .. row_start + num_seqs - 1`."""
 
+    row_start: int
     num_seqs: int
     gather_rows: torch.Tensor
     """[num_kv_heads * num_seqs * max_blocks] cache rows (head * num_blocks + block), each
@@ -53,7 +55,7 @@ class AttentionMetadata:
     write_rows: torch.Tensor
     """[num_kv_heads * num_tokens] row of the per-head slot arrays where each new token's key
     and value are written (head * num_slots + slot), head major."""
-    decode: DecodeBatch | None
+    decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
 
 
@@ -76,15 +78,15 @@ def paged_attention(
     v_cache.view(flat).index_copy_(0, meta.write_rows, v.transpose(0, 1).reshape(flat))
     out = q.new_empty(num_tokens, num_heads * head_dim)
 
-    decode = meta.decode
-    if decode is not None:
+    for decode in meta.decodes:
         n = decode.num_seqs
+        rows = slice(decode.row_start, decode.row_start + n)
         shape = (num_kv_heads, n, decode.max_blocks * block_size, head_dim)
         kd = k_cache.index_select(0, decode.gather_rows).view(shape)
         vd = v_cache.index_select(0, decode.gather_rows).view(shape)
-        qd = q[:n].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
+        qd = q[rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
         od = _attend(qd, kd, vd, decode.bias, scale)  # [Hkv, n, group, D]
-        out[:n] = od.transpose(0, 1).reshape(n, num_heads * head_dim)
+        out[rows] = od.transpose(0, 1).reshape(n, num_heads * head_dim)
 
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_query)

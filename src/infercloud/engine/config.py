@@ -34,5 +34,9 @@ class EngineConfig:
     """"auto": load a host hit back when copying is measured to be cheaper than recomputing;
     "always": load every host hit."""
     packed_linear: bool = True
+    decode_group_overhead_tokens: int = 1024
+    """Decoding requests attend in groups of similar context length; a group costs about this
+    many tokens of padded attention in fixed work (`engine/decode_groups.py`; on this CPU a
+    group is ~4.5 ms per step and a padded token ~4.3 us). Large: one group, as before."""
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -144,6 +144,7 @@ class LLMEngine:
             torch.device(config.device),
             seed=config.seed,
             packed_linear=config.packed_linear,
+            decode_group_overhead_tokens=config.decode_group_overhead_tokens,
         )
         self.second_tier = self._second_tier(config, num_blocks)
         self.kv_cache.second_tier = self.second_tier

@@ -17,6 +17,7 @@ import torch
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from infercloud.engine.decode_groups import decode_groups
 from infercloud.engine.host_allocator import keep_freed_memory
 from infercloud.engine.llama import LlamaModel
 from infercloud.engine.model_config import ModelConfig
@@ -69,6 +70,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         packed_linear: bool = True,
+        decode_group_overhead_tokens: int = 1024,
     ) -> None:
         if device.type == "cpu":
             keep_freed_memory()
@@ -93,6 +95,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.group = config.num_heads // config.num_kv_heads
+        self.decode_group_overhead_tokens = decode_group_overhead_tokens
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
 
@@ -107,7 +110,8 @@ class ModelRunner:
         kv_cache: KVCacheManager,
         suppressed: dict[str, tuple[int, ...]],
     ) -> StepResult:
-        decodes = [c for c in output.chunks if c.num_tokens == 1]
+        # decodes by context length, so that a group of similar lengths shares one padded batch
+        decodes = sorted((c for c in output.chunks if c.num_tokens == 1), key=lambda c: c.start)
         prefills = [c for c in output.chunks if c.num_tokens > 1]
         ordered = decodes + prefills
         bs = self.block_size
@@ -132,7 +136,7 @@ class ModelRunner:
         slots = torch.tensor(slot_mapping, dtype=torch.long)
         meta = AttentionMetadata(
             write_rows=self._per_head(slots, self.num_blocks * bs).to(self.device),
-            decode=self._decode_batch(decodes, kv_cache) if decodes else None,
+            decodes=self._decode_batches(decodes, kv_cache),
             prefills=self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
         )
         logits = self.model(
@@ -166,7 +170,18 @@ class ModelRunner:
         heads = torch.arange(self.config.num_kv_heads, dtype=torch.long).unsqueeze(1)
         return (heads * stride + index.unsqueeze(0)).reshape(-1)
 
-    def _decode_batch(self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager) -> DecodeBatch:
+    def _decode_batches(
+        self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager
+    ) -> list[DecodeBatch]:
+        """The decodes (ascending context) in groups of similar length (`decode_groups`)."""
+        bs = self.block_size
+        num_blocks = [-(-(c.start + 1) // bs) for c in chunks]
+        groups = decode_groups(num_blocks, self.decode_group_overhead_tokens / bs)
+        return [self._decode_batch(chunks[g.start : g.stop], g.start, kv_cache) for g in groups]
+
+    def _decode_batch(
+        self, chunks: list[ScheduledChunk], row_start: int, kv_cache: KVCacheManager
+    ) -> DecodeBatch:
         bs = self.block_size
         contexts = [c.start + 1 for c in chunks]
         max_blocks = -(-max(contexts) // bs)
@@ -177,6 +192,7 @@ class ModelRunner:
         offsets = torch.arange(max_blocks * bs)
         mask = offsets.unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
         return DecodeBatch(
+            row_start=row_start,
             num_seqs=len(chunks),
             gather_rows=self._per_head(tables.reshape(-1), self.num_blocks).to(self.device),
             max_blocks=max_blocks,
