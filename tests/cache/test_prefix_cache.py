@@ -3,21 +3,36 @@
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import BeladyPolicy, BlockStats, LRUPolicy, ValueAwarePolicy
+from infercloud.cache.eviction import (
+    PENDING,
+    BeladyPolicy,
+    BlockStats,
+    EvictionPolicy,
+    LRUPolicy,
+    RequestShape,
+    ValueAwarePolicy,
+    reuse_class,
+)
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
+from infercloud.cache.replay import TraceRequest, replay
 
 BS = 4
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
 
 
-def make(num_blocks: int = 16) -> tuple[KVCacheManager, PrefixCache, list[CacheEvent]]:
+def make(
+    num_blocks: int = 16, policy: EvictionPolicy | None = None
+) -> tuple[KVCacheManager, PrefixCache, list[CacheEvent]]:
     pool = BlockPool(num_blocks)
     events: list[CacheEvent] = []
-    cache = PrefixCache(pool, BS, LRUPolicy(), on_event=events.append)
+    cache = PrefixCache(pool, BS, policy or LRUPolicy(), on_event=events.append)
     return KVCacheManager(pool, BS, cache), cache, events
 
 
@@ -115,18 +130,100 @@ def test_refused_allocation_changes_nothing() -> None:
 def test_policies_rank_as_documented() -> None:
     stats = BlockStats.empty(3)
     for block, (t, key) in enumerate([(0.0, 100), (5.0, 200), (9.0, 300)]):
-        stats.record_insert(block, 1, key, 0, t)
+        stats.record_insert(block, 1, key, t)
     stats.record_hit(0, 9.5)
     stats.record_hit(0, 9.8)
     blocks = np.arange(3)
     assert np.argmin(LRUPolicy().priorities(stats, blocks, 10.0)) == 1
-    # block 0 was hit twice: the value policy keeps it over the never-hit block 1
-    value = ValueAwarePolicy().priorities(stats, blocks, 10.0)
-    assert value[0] > value[1]
     belady = BeladyPolicy({100: [20.0], 200: [50.0, 90.0], 300: [1.0]})
     got = belady.priorities(stats, blocks, 10.0)
     assert np.argmin(got) == 2  # 300 is never needed again after t=10
     assert got[1] < got[0]  # 200 is needed later (t=50) than 100 (t=20)
+
+
+def test_value_policy_ranks_a_class_by_its_observed_reuse() -> None:
+    """Two blocks alike in all but the class of the request that stored them: the one whose
+    class was seldom used again is evicted first, though it is the more recently used."""
+    good = reuse_class(False, 20_000, 10)
+    poor = reuse_class(False, 20_000, 500)
+    stats = BlockStats.empty(2)
+    for block, feature_class in ((0, good), (1, poor)):  # 40 earlier visits each
+        for _ in range(40):
+            stats.record_insert(block, 1, 0, 0.0)
+            stats.record_finish([block], feature_class)
+            if feature_class == good:
+                stats.record_hit(block, 30.0)
+    stats.record_insert(0, 1, 0, 100.0)
+    stats.record_finish([0], good)
+    stats.record_insert(1, 1, 0, 101.0)
+    stats.record_finish([1], poor)
+    stats.record_eviction([0, 1], 200.0)  # kept blocks lately stay about 100 s
+    got = ValueAwarePolicy().priorities(stats, np.arange(2), 110.0)
+    assert got[1] < got[0]
+    assert np.argmin(LRUPolicy().priorities(stats, np.arange(2), 110.0)) == 0
+
+
+def test_a_finished_request_classifies_only_its_own_blocks() -> None:
+    kv, cache, _ = make(policy=ValueAwarePolicy())
+    run(kv, "a", list(range(9)), 0.0)  # stores 2 blocks
+    run(kv, "b", [*range(8), 50, 51, 52, 53, 54], 1.0)  # hits them, stores 1 more
+    own_a, own_b = kv.block_table("a")[:2], kv.block_table("b")[2]
+    kv.free("b", RequestShape(13, 7))
+    kv.free("a")  # no shape (e.g. preempted): its blocks stay pending
+    assert cache.stats.feature_class[own_b] == reuse_class(True, 13, 7)
+    assert all(cache.stats.feature_class[b] == PENDING for b in own_a)
+    cache.check_invariants()
+
+
+def test_a_prefix_stored_again_after_eviction_counts_as_a_use() -> None:
+    """A miss on an evicted prefix is a reuse the cache missed: the class learns it, and the
+    new block resumes the old one's history (one use more)."""
+    kv, cache, _ = make(num_blocks=3, policy=ValueAwarePolicy())
+    prompt = list(range(5))  # 1 full block + 1 token
+    run(kv, "a", prompt, 0.0)
+    kv.free("a", RequestShape(5, 3))
+    feature_class = reuse_class(False, 5, 3)
+    assert cache.stats.state_reused[feature_class] == 0
+    run(kv, "x", list(range(100, 109)), 1.0)  # needs all 3 blocks: evicts a's
+    kv.free("x", RequestShape(9, 3))
+    run(kv, "b", prompt, 2.0)
+    block = kv.block_table("b")[0]
+    assert cache.stats.state_reused[feature_class] == 1
+    assert cache.stats.num_hits[block] == 1 and cache.stats.feature_class[block] == feature_class
+    cache.check_invariants()
+
+
+class _Recording:
+    """A value policy that records what it was asked and answered."""
+
+    name = "value"
+    learns_outcomes = True
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, list[int], list[float]]] = []
+
+    def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
+        got = ValueAwarePolicy().priorities(stats, candidates, now_s)
+        self.calls.append((now_s, candidates.tolist(), got.tolist()))
+        return got
+
+
+def test_value_policy_reads_no_future() -> None:
+    """Two traces alike until t = 50 s and different after: every priority the value policy
+    gave before 50 s is the same in both (nothing it read came from later requests)."""
+    rng = np.random.default_rng(0)
+    shared = [
+        TraceRequest(float(t), 4096, int(rng.integers(1, 400)), tuple(rng.integers(0, 12, 8)))
+        for t in range(50)
+    ]
+    later_a = [TraceRequest(50.0 + t, 4096, 5, (0, 1, 2, 3, 4, 5, 6, 7)) for t in range(30)]
+    later_b = [TraceRequest(50.0 + t, 2048, 900, (9, 9, 9, 9)) for t in range(30)]
+    runs = []
+    for later in (later_a, later_b):
+        policy = _Recording()
+        replay([*shared, *later], capacity_blocks=12, policy=policy)
+        runs.append([c for c in policy.calls if c[0] < 50.0])
+    assert runs[0] and runs[0] == runs[1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -220,3 +317,14 @@ def test_lru_standing_ranking_evicts_as_ranking_everything_each_time(
         if evicted:
             assert evicted[0] == evicted[1]
         assert [e.block_hashes for e in caches[0][2]] == [e.block_hashes for e in caches[1][2]]
+
+
+def test_a_policy_that_learns_nothing_costs_no_outcome_bookkeeping() -> None:
+    """With LRU the cache keeps no classes, no evicted histories: the simulator's hot path."""
+    kv, cache, events = make(num_blocks=3)
+    run(kv, "a", list(range(5)), 0.0)
+    kv.free("a", RequestShape(5, 3))
+    run(kv, "x", list(range(100, 109)), 1.0)  # evicts a's block
+    removed = [h for e in events if e.kind == "removed" for h in e.block_hashes]
+    assert removed and (cache.stats.feature_class == PENDING).all()
+    assert all(cache.evicted_history.pop(h) is None for h in removed)

@@ -2,24 +2,31 @@
 
 One small interface: `priorities(stats, candidates, now_s)` returns one number per candidate
 block, and the cache evicts the lowest first. Policies are pure: they read the per-block history
-in `BlockStats` and the clock the caller passes, and keep no hidden state (Belady's table of the
-future is given to it up front).
+and the learned outcome counts in `BlockStats` and the clock the caller passes, and keep no hidden
+state (Belady's table of the future is given to it up front).
 
 - `LRUPolicy`: least recently used first (vLLM's and SGLang's default).
-- `ValueAwarePolicy`: expected compute saved per byte held. It estimates each block's rate of
-  reuse from its own history (hits and the intervals between them, decayed by the time since it
-  was last used; a never-reused block gets a prior), adds the requests already waiting for it,
-  and weighs by what recomputing the block would cost, which grows with its depth in the prompt
-  (attention over every earlier token).
+- `ValueAwarePolicy`: the blocks least likely to be used again within the time a kept block
+  has, first. It learns online, per state of a block, how often blocks in that state were used
+  again and after how long. A block's state is the feature class of the request that stored it
+  (`reuse_class`: whether that request hit, its prompt length and, once it finished, its output
+  length) until it is hit, then how many times it was hit.
 - `BeladyPolicy`: evicts the block needed furthest in the future (never again: first). It needs
   the future, so it exists for benchmarks only, as the upper bound of what any policy can reach.
+
+Invariants of `BlockStats`' learning (what keeps the value policy honest):
+- it counts only what happened before `now_s`: inserts, hits, the finish of the storing request
+  (its output length is passed only then, when its blocks can first become idle), evictions,
+  and a prefix stored again after its block was evicted (a use the cache missed);
+- `state_reused[s] <= state_entered[s]` for every state once every visit's entry is counted.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -28,14 +35,85 @@ FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 
 
-FRESH = 0
-EXTENSION = 1
+PENDING = 0
+"""The state of a never-hit block whose storing request has not finished (or was preempted):
+its features are not all known yet."""
+
+OUTPUT_TOKEN_BOUNDS = (4, 16, 64, 256, 1024)
+"""Upper bounds of the output-length buckets, in tokens (powers of 4; the last bucket is open)."""
+PROMPT_TOKEN_BOUNDS = (1024, 4096, 16384, 65536)
+"""Upper bounds of the prompt-length buckets, in tokens (powers of 4)."""
+_NUM_OUTPUT = len(OUTPUT_TOKEN_BOUNDS) + 2  # the buckets, plus "unknown"
+_NUM_PROMPT = len(PROMPT_TOKEN_BOUNDS) + 2
+NUM_FEATURE_CLASSES = 1 + 2 * _NUM_OUTPUT * _NUM_PROMPT
+"""`PENDING`, then one class per (hit, output bucket, prompt bucket)."""
+HIT_STATES = 4
+"""States of blocks hit 1, 2, 3 and 4 or more times (their features no longer matter)."""
+NUM_STATES = NUM_FEATURE_CLASSES + HIT_STATES
+GAP_BUCKETS = 16
+"""Histogram of the seconds between a block's uses: bucket i holds gaps in [2^(i-1), 2^i)
+(bucket 0: under 1 s; the last bucket is open)."""
+
+
+IDLE_AVERAGE_WEIGHT = 0.001
+"""Weight of each evicted block in `BlockStats.idle_at_eviction_s` (about the last thousand)."""
+
+
+def _bucket(value: int | None, bounds: tuple[int, ...]) -> int:
+    if value is None:
+        return len(bounds) + 1
+    for i, bound in enumerate(bounds):
+        if value < bound:
+            return i
+    return len(bounds)
+
+
+@dataclass(frozen=True, slots=True)
+class RequestShape:
+    """What a finished request tells the cache about the blocks it stored."""
+
+    prompt_tokens: int | None
+    output_tokens: int | None
+    """Tokens generated: known only once the request has finished."""
+
+
+def reuse_class(hit: bool, prompt_tokens: int | None, output_tokens: int | None) -> int:
+    """The feature class of the blocks a finished request stored: whether it started from a
+    cached prefix, and its prompt and output lengths in tokens (None: not known)."""
+    out = _bucket(output_tokens, OUTPUT_TOKEN_BOUNDS)
+    prompt = _bucket(prompt_tokens, PROMPT_TOKEN_BOUNDS)
+    return 1 + (int(hit) * _NUM_OUTPUT + out) * _NUM_PROMPT + prompt
+
+
+def gap_bucket(gap_s: float) -> int:
+    """The `GAP_BUCKETS` index of a gap in seconds."""
+    _, exponent = math.frexp(max(0.0, gap_s))
+    return min(max(exponent, 0), GAP_BUCKETS - 1)
+
+
+class Ghost(NamedTuple):
+    """An evicted block's history (its prefix hash names it)."""
+
+    feature_class: int
+    num_hits: int
+    last_access_s: float
 
 
 @dataclass(slots=True)
 class BlockStats:
     """Per-block history, indexed by block id: valid while the block is cached, overwritten
-    by `record_insert` when the id is cached again."""
+    by `record_insert` when the id is cached again; and the outcome counts the value policy
+    learns from, over every block the cache has held so far (nothing about the future).
+
+    A block moves through states: `PENDING` from its insertion until its storing request
+    finishes, then the feature class of that request (`reuse_class`), then, once hit, the hit
+    states (1, 2, 3, 4+ hits). `state_entered[s]` counts visits to state s, `state_reused[s]`
+    those that ended in a use: a hit, or its prefix stored again after the block was evicted
+    (`record_revival`: a use the cache missed, so that what the policy evicts early still counts
+    as reused). A visit that ends otherwise (eviction with no return, classification) or is
+    still open counts as not reused. So `state_reused / state_entered` is the observed chance
+    that a block in that state is used again (within the memory of evicted prefixes).
+    """
 
     inserted_s: FloatArray
     last_access_s: FloatArray
@@ -46,13 +124,19 @@ class BlockStats:
     """Requests waiting in the queue whose prompt matches this block."""
     key: IntArray
     """The block's prefix hash (what Belady's future is keyed by)."""
-    origin: IntArray
-    """How the block was stored: `FRESH` (by a request that hit nothing) or `EXTENSION` (a
-    request that started from a cached prefix and added to it)."""
-    origin_stored: IntArray
-    """Per origin: blocks stored so far (the outcome counts the value policy learns from)."""
-    origin_reused: IntArray
-    """Per origin: of those, blocks that were hit at least once."""
+    feature_class: IntArray
+    """`PENDING` or the `reuse_class` of the request that stored the block (set when it
+    finished, so its output length is known)."""
+    state_entered: IntArray
+    """Per state (`NUM_STATES`): visits so far."""
+    state_reused: IntArray
+    """Per state: of those, visits that ended in a hit."""
+    gap_hits: IntArray
+    """Per state and `gap_bucket`: uses so far of blocks in that state whose gap since the
+    block's previous use (or insertion) fell in that bucket."""
+    idle_at_eviction_s: float = 0.0
+    """Moving average (`IDLE_AVERAGE_WEIGHT` per block) of how long evicted blocks had been
+    idle: how long the cache lately keeps a block nobody uses."""
 
     @classmethod
     def empty(cls, num_blocks: int) -> BlockStats:
@@ -63,28 +147,35 @@ class BlockStats:
             depth=np.zeros(num_blocks, dtype=np.int64),
             waiting=np.zeros(num_blocks, dtype=np.int64),
             key=np.zeros(num_blocks, dtype=np.int64),
-            origin=np.zeros(num_blocks, dtype=np.int64),
-            origin_stored=np.zeros(2, dtype=np.int64),
-            origin_reused=np.zeros(2, dtype=np.int64),
+            feature_class=np.zeros(num_blocks, dtype=np.int64),
+            state_entered=np.zeros(NUM_STATES, dtype=np.int64),
+            state_reused=np.zeros(NUM_STATES, dtype=np.int64),
+            gap_hits=np.zeros((NUM_STATES, GAP_BUCKETS), dtype=np.int64),
         )
 
-    def record_insert(self, block: int, depth: int, key: int, origin: int, now_s: float) -> None:
-        self._write(block, depth, key, origin, now_s)
-        self.origin_stored[origin] += 1
+    def state(self, blocks: IntArray) -> IntArray:
+        """Each block's current state."""
+        hits = self.num_hits[blocks]
+        hit_state = NUM_FEATURE_CLASSES - 1 + np.minimum(hits, HIT_STATES)
+        return np.where(hits == 0, self.feature_class[blocks], hit_state)
+
+    def record_insert(self, block: int, depth: int, key: int, now_s: float) -> None:
+        self._write(block, depth, key, now_s)
+        self.state_entered[PENDING] += 1
 
     def record_inserts(
-        self, blocks: list[int], depths: list[int], keys: list[int], origin: int, now_s: float
+        self, blocks: list[int], depths: list[int], keys: list[int], now_s: float
     ) -> None:
         """`record_insert` for each of `blocks` (with its depth and key): one array write per
         field for a long list, scalar writes for a short one (cheaper than building arrays)."""
         if len(blocks) < 8:
             for block, depth, key in zip(blocks, depths, keys, strict=True):
-                self._write(block, depth, key, origin, now_s)
+                self._write(block, depth, key, now_s)
         else:
-            self._write(np.array(blocks, dtype=np.int64), depths, keys, origin, now_s)
-        self.origin_stored[origin] += len(blocks)
+            self._write(np.array(blocks, dtype=np.int64), depths, keys, now_s)
+        self.state_entered[PENDING] += len(blocks)
 
-    def _write(self, index: Any, depth: Any, key: Any, origin: int, now_s: float) -> None:
+    def _write(self, index: Any, depth: Any, key: Any, now_s: float) -> None:
         """A fresh history for the block(s) at `index` (an id or an array of ids)."""
         self.inserted_s[index] = now_s
         self.last_access_s[index] = now_s
@@ -92,18 +183,70 @@ class BlockStats:
         self.depth[index] = depth
         self.waiting[index] = 0
         self.key[index] = key
-        self.origin[index] = origin
+        self.feature_class[index] = PENDING
+
+    def record_finish(self, blocks: list[int], feature_class: int) -> None:
+        """The request that stored `blocks` finished: they take its feature class. A block hit
+        meanwhile counts as a reused visit of that class (it is in a hit state already)."""
+        for block in blocks:
+            if self.feature_class[block] != PENDING:
+                continue
+            self.feature_class[block] = feature_class
+            self.state_entered[feature_class] += 1
+            if self.num_hits[block] > 0:
+                self.state_reused[feature_class] += 1
 
     def record_hit(self, block: int, now_s: float) -> None:
-        if self.num_hits[block] == 0:
-            self.origin_reused[self.origin[block]] += 1
-        self.num_hits[block] += 1
+        hits = int(self.num_hits[block])
+        feature_class = int(self.feature_class[block])
+        self._count_use(feature_class, hits, float(self.last_access_s[block]), now_s)
+        self.num_hits[block] = hits + 1
         self.last_access_s[block] = now_s
+
+    def record_eviction(self, blocks: list[int], now_s: float) -> None:
+        """`blocks` are being evicted (their history is still here)."""
+        idle_s = now_s - self.last_access_s[np.array(blocks, dtype=np.int64)]
+        keep = (1.0 - IDLE_AVERAGE_WEIGHT) ** len(blocks)
+        self.idle_at_eviction_s = keep * self.idle_at_eviction_s + (1.0 - keep) * float(
+            idle_s.mean()
+        )
+
+    def ghost(self, block: int) -> Ghost:
+        """What to remember of a block being evicted, in case its prefix is stored again."""
+        return Ghost(
+            int(self.feature_class[block]),
+            int(self.num_hits[block]),
+            float(self.last_access_s[block]),
+        )
+
+    def record_revival(self, block: int, ghost: Ghost, now_s: float) -> None:
+        """`block` was just inserted (`record_insert`) for a prefix the cache had evicted: that
+        was a use of the evicted block (a miss that a larger cache would have hit), so it counts
+        as one and the new block carries on its history instead of starting `PENDING`."""
+        self.state_entered[PENDING] -= 1
+        self._count_use(ghost.feature_class, ghost.num_hits, ghost.last_access_s, now_s)
+        self.feature_class[block] = ghost.feature_class
+        self.num_hits[block] = ghost.num_hits + 1
+
+    def _count_use(self, feature_class: int, hits: int, last_access_s: float, now_s: float) -> None:
+        """A block of `feature_class` used `hits` times so far is used again: its visit to its
+        state ends in a reuse, it enters the next hit state, and the gap is counted."""
+        state = feature_class if hits == 0 else NUM_FEATURE_CLASSES - 1 + min(hits, HIT_STATES)
+        self.state_reused[state] += 1
+        self.state_entered[NUM_FEATURE_CLASSES - 1 + min(hits + 1, HIT_STATES)] += 1
+        self.gap_hits[state, gap_bucket(now_s - last_access_s)] += 1
 
 
 class EvictionPolicy(Protocol):
     @property
     def name(self) -> str: ...
+
+    @property
+    def learns_outcomes(self) -> bool:
+        """Whether the policy reads the learned outcome counts of `BlockStats` (the classes of
+        finished requests' blocks, revivals of evicted prefixes); when not, the cache skips
+        keeping them."""
+        ...
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
         """One value per candidate block; the lowest is evicted first."""
@@ -112,6 +255,7 @@ class EvictionPolicy(Protocol):
 
 class LRUPolicy:
     name = "lru"
+    learns_outcomes = False
     static_priorities = True
     """A block's priority cannot change while it is idle (only a use changes its last access,
     and a block in use is not a candidate), so the cache may rank candidates once, as they
@@ -129,46 +273,74 @@ class LRUPolicy:
 
 @dataclass(frozen=True, slots=True)
 class ValueAwarePolicy:
-    """Keep the blocks with the highest expected saved compute per byte.
+    """Keep the blocks most likely to be used again soon, as learned online from the cache's
+    own outcomes so far (`BlockStats`: hits, and misses on blocks it had evicted).
 
-    value = reuse_rate x recompute_cost, with
-      mean_gap   = (age + `min_interval_s`) / (hits + prior)  [s between uses, counting the gap
-                   still open, so a block nobody comes back to cools down steadily]
-      prior      = the share of blocks of the same origin that were ever hit, learned online
-                   from the cache's own outcomes (Laplace-smoothed, times `prior_hits`): the
-                   tails that requests add to an already cached prefix are reused far less
-                   often than freshly stored prompts (10% against 34-56% on Mooncake's trace)
-      reuse_rate = 1 / max(mean_gap, time since the last use)  [uses per second]
-                 + waiting requests / `min_interval_s`  (demand already queued),
-      recompute_cost = 1 + `attention_weight` x depth  [relative compute of one block: its
-                   linear layers, plus attention over the depth x block_size tokens before it].
-    Every block holds the same bytes, so value per byte orders the same as value.
+    For a candidate in state s (its request's features, or how often it was hit), idle for
+    `age` seconds:
+      p         = P(a block in state s is used again): the observed share of visits to s that
+                  ended in a use, shrunk toward the share over all states by `prior_visits`;
+      S_s(t)    = P(the gap before that use exceeds t): state s's histogram of gaps, shrunk
+                  toward all states' (`survival_edges`);
+      horizon   = how long idle blocks have lately stayed before eviction (`BlockStats.
+                  idle_at_eviction_s`; `min_horizon_s` at least): the time a kept block has;
+      priority  = P(used within the horizon | not used for `age`)
+                = p (S_s(age) - S_s(age + horizon)) / (p S_s(age) + 1 - p)
+                  + waiting requests (demand already queued: certain).
+    Every block holds the same bytes, so a probability per block orders as one per byte.
+    The policy reads no clock and no future: only `stats` and the `now_s` it is given.
     """
 
-    prior_hits: float = 1.0
-    """Scale of the learned prior (a never-hit block counts as `prior_hits` x P(reuse))."""
-    min_interval_s: float = 1.0
-    attention_weight: float = 0.02
-    """Attention's share of a block's compute per block of depth (context / linear FLOPs)."""
+    prior_visits: float = 20.0
+    """Pseudo-visits (and pseudo-gaps) pulling a state with little history to the average."""
+    min_horizon_s: float = 1.0
     name: str = "value"
+    learns_outcomes: bool = True
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
-        hits = stats.num_hits[candidates].astype(np.float64)
-        age = now_s - stats.inserted_s[candidates]
-        reuse_share = (stats.origin_reused + 1.0) / (stats.origin_stored + 2.0)
-        prior = self.prior_hits * reuse_share[stats.origin[candidates]]
-        mean_gap = (age + self.min_interval_s) / (hits + prior)
-        since_last = now_s - stats.last_access_s[candidates]
-        rate = 1.0 / np.maximum(mean_gap, since_last)
-        rate = rate + stats.waiting[candidates] / self.min_interval_s
-        cost = 1.0 + self.attention_weight * stats.depth[candidates]
-        return rate * cost
+        entered = stats.state_entered.astype(np.float64)
+        reused = stats.state_reused.astype(np.float64)
+        overall = (reused.sum() + 1.0) / (entered.sum() + 2.0)
+        p_state = (reused + self.prior_visits * overall) / (entered + self.prior_visits)
+        state = stats.state(candidates)
+        p = p_state[state]
+        edges = survival_edges(stats.gap_hits, self.prior_visits)[state]
+        age_s = now_s - stats.last_access_s[candidates]
+        horizon_s = max(self.min_horizon_s, stats.idle_at_eviction_s)
+        s_now = survival(edges, age_s)
+        s_end = survival(edges, age_s + horizon_s)
+        soon: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
+        return soon + stats.waiting[candidates]
+
+
+def survival_edges(gap_hits: IntArray, prior_hits: float) -> FloatArray:
+    """Per state, P(gap >= lower edge of each `gap_bucket`), and a last edge beyond them all:
+    from the state's histogram of gaps, shrunk toward all states' by `prior_hits` hits."""
+    counts = gap_hits.astype(np.float64)
+    overall = counts.sum(axis=0)
+    overall = (overall + 1.0 / GAP_BUCKETS) / (overall.sum() + 1.0)
+    counts = counts + prior_hits * overall
+    at_least: FloatArray = np.cumsum(counts[:, ::-1], axis=1)[:, ::-1]
+    at_least /= counts.sum(axis=1, keepdims=True)
+    return np.concatenate([at_least, np.zeros((len(counts), 1))], axis=1)
+
+
+def survival(edges: FloatArray, gap_s: FloatArray) -> FloatArray:
+    """P(a gap exceeds `gap_s`), each row of `edges` (`survival_edges`) for its gap,
+    interpolated linearly in log2 time inside a bucket."""
+    position = np.clip(np.log2(np.maximum(gap_s, 1e-9)) + 1.0, 0.0, GAP_BUCKETS - 1e-9)
+    lower = position.astype(np.int64)
+    frac = position - lower
+    rows = np.arange(len(edges))
+    low = edges[rows, lower]
+    return low + frac * (edges[rows, lower + 1] - low)
 
 
 class BeladyPolicy:
     """Evict the block whose next use lies furthest ahead; needs the future (benchmarks only)."""
 
     name = "belady"
+    learns_outcomes = False
 
     def __init__(self, future_uses: Mapping[int, Sequence[float]]) -> None:
         """`future_uses[key]`: the times at which the block with prefix hash `key` is needed

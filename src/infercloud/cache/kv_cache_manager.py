@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.eviction import RequestShape, reuse_class
 from infercloud.cache.host_tier import HostEntry, HostTier
 from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, salt_hash
 from infercloud.cache.transfer_cost import TransferCostModel
@@ -87,6 +88,7 @@ class KVCacheManager:
         "_cache_tail",
         "_cached_upto",
         "_hit",
+        "_stored",
         "_tables",
         "block_pool",
         "block_size",
@@ -118,6 +120,8 @@ class KVCacheManager:
         """Requests that started from a cached prefix."""
         self._cache_tail: dict[str, CacheNode] = {}
         """Where each request's walk down the prefix cache ended, to resume there."""
+        self._stored: dict[str, list[int]] = {}
+        """Blocks each request stored in the prefix cache (classified when it finishes)."""
 
     @property
     def num_available_blocks(self) -> int:
@@ -270,14 +274,11 @@ class KVCacheManager:
         if tail is None or not cache.holds(tail) or tail.depth > full:
             tail = cache.root_of(salt)
         bs = self.block_size
-        self._cache_tail[request_id], swaps = cache.insert_from(
-            tail,
-            salt,
-            token_ids(tail.depth * bs, full * bs),
-            table[tail.depth : full],
-            now_s,
-            extends_hit=request_id in self._hit,
+        self._cache_tail[request_id], swaps, stored = cache.insert_from(
+            tail, salt, token_ids(tail.depth * bs, full * bs), table[tail.depth : full], now_s
         )
+        if stored and cache.policy.learns_outcomes:
+            self._stored.setdefault(request_id, []).extend(stored)
         for i, block in swaps:  # blocks another request cached first: share the tree's
             table[tail.depth + i] = block
         self._cached_upto[request_id] = full
@@ -294,15 +295,24 @@ class KVCacheManager:
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: str, finished: RequestShape | None = None) -> None:
         """Release every block of the request; a request without blocks is a no-op.
 
-        Blocks the prefix cache holds stay cached (idle if nobody else uses them).
+        Blocks the prefix cache holds stay cached (idle if nobody else uses them). `finished`:
+        the request is done and this was its shape; the blocks it stored take its feature class
+        (`eviction.reuse_class`: whether it hit, its prompt and output lengths), which the
+        value policy learns reuse odds by. None (preempted, or the caller does not say): they
+        stay `PENDING`.
         """
         table = self._tables.pop(request_id, None)
         self._cached_upto.pop(request_id, None)
         self._cache_tail.pop(request_id, None)
+        hit = request_id in self._hit
         self._hit.discard(request_id)
+        stored = self._stored.pop(request_id, None)
+        if stored and finished is not None and self.prefix_cache is not None:
+            feature_class = reuse_class(hit, finished.prompt_tokens, finished.output_tokens)
+            self.prefix_cache.record_finish(stored, feature_class)
         if not table:
             return
         if self.prefix_cache is not None:

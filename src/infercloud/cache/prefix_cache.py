@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import EXTENSION, FRESH, BlockStats, EvictionPolicy
+from infercloud.cache.eviction import BlockStats, EvictionPolicy, Ghost
 
 EVICTED_HASHES_KEPT = 1 << 16
 
@@ -102,6 +102,30 @@ class RecentHashes:
         return bool(self._new or self._old)
 
 
+class EvictedHistory:
+    """The histories (`Ghost`) of the latest evicted blocks by prefix hash: at least the last
+    `capacity` and at most twice as many, in two generations like `RecentHashes`."""
+
+    __slots__ = ("_capacity", "_new", "_old")
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = max(1, capacity)
+        self._new: dict[int, Ghost] = {}
+        self._old: dict[int, Ghost] = {}
+
+    def add(self, block_hash: int, ghost: Ghost) -> None:
+        self._new[block_hash] = ghost
+        if len(self._new) >= self._capacity:
+            self._old, self._new = self._new, {}
+
+    def pop(self, block_hash: int) -> Ghost | None:
+        """The history of an evicted block, forgotten (the prefix is cached again)."""
+        ghost = self._new.pop(block_hash, None)
+        if ghost is None:
+            ghost = self._old.pop(block_hash, None)
+        return ghost
+
+
 @dataclass(frozen=True, slots=True)
 class CacheEvent:
     """A change of the cache's contents, for routers (vLLM's BlockStored / BlockRemoved)."""
@@ -160,6 +184,10 @@ class PrefixCache:
         self.recently_evicted = RecentHashes(EVICTED_HASHES_KEPT)
         """Hashes of the latest evicted blocks (at least the last `EVICTED_HASHES_KEPT`), so
         that the ledger can tell context that is computed again from context never seen."""
+        self.evicted_history = EvictedHistory(EVICTED_HASHES_KEPT)
+        """The histories of the latest evicted blocks: a block stored again for one of these
+        prefixes resumes it (`BlockStats.record_revival`), so the policy learns from the
+        reuses it missed as well as from its hits."""
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -284,15 +312,12 @@ class PrefixCache:
         token_ids: Sequence[int],
         block_ids: Sequence[int],
         now_s: float,
-        extends_hit: bool = False,
-    ) -> tuple[CacheNode, list[tuple[int, int]]]:
+    ) -> tuple[CacheNode, list[tuple[int, int]], list[int]]:
         """Cache the full blocks of a request's computed prefix below `node` (in the tree,
         under `salt`; the root for a whole prompt): `token_ids` and `block_ids` continue the
         prefix `node` ends. Returns the node the walk ended at, to resume from when the
-        request's next block fills, and the blocks to swap in the request's table.
-
-        `extends_hit`: the request started from a cached prefix (the policy learns how often
-        such extensions are reused, apart from freshly stored prompts).
+        request's next block fills, the blocks to swap in the request's table, and the blocks
+        this call stored (the request's own, to pass to `record_finish` when it finishes).
 
         `block_ids[i]` holds tokens `i * block_size ..` of `token_ids`; only whole blocks count.
         A block whose prefix another request cached first (both computed it at once) is a
@@ -319,12 +344,12 @@ class PrefixCache:
             node = child
             i += 1
         if i == n:
-            return node, swaps
+            return node, swaps, []
         # the rest hangs from `node` as a fresh chain (a new node has no children to look up)
         by_block = self._by_block
         block = block_ids[i]
         if block in by_block:
-            return node, swaps  # this block already caches another prefix: keep the tree as is
+            return node, swaps, []  # this block caches another prefix: keep the tree as is
         parent_hash = node.block_hash if node.block_id >= 0 else None
         if node.block_id >= 0 and not node.children:
             self._candidates.discard(node.block_id)
@@ -350,12 +375,28 @@ class PrefixCache:
             key = tuple(token_ids[i * bs : (i + 1) * bs])
         for block in blocks:
             self.pool.retain(block)
-        origin = EXTENSION if extends_hit else FRESH
         depths = list(range(node.depth + 1, node.depth + 1 + len(blocks)))
-        self.stats.record_inserts(blocks, depths, stored, origin, now_s)
+        stats = self.stats
+        stats.record_inserts(blocks, depths, stored, now_s)
+        if self.policy.learns_outcomes:
+            history = self.evicted_history
+            for block, block_hash in zip(blocks, stored, strict=True):
+                ghost = history.pop(block_hash)
+                if ghost is not None:
+                    stats.record_revival(block, ghost, now_s)
         if self.on_event is not None:
             self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
-        return parent, swaps
+        return parent, swaps, blocks
+
+    def record_finish(self, blocks: Sequence[int], feature_class: int) -> None:
+        """The request that stored `blocks` (`insert_from`) finished, before releasing them:
+        they take the feature class of its outcome (`eviction.reuse_class`), which the
+        policy learns from. Blocks no longer in the tree are skipped."""
+        if not self.policy.learns_outcomes:
+            return
+        held = [b for b in blocks if b in self._by_block]
+        if held:
+            self.stats.record_finish(held, feature_class)
 
     # -- eviction ------------------------------------------------------------------------------
 
@@ -373,6 +414,11 @@ class PrefixCache:
         else:
             self._evict_ranking(num_blocks, now_s, evicted)
         self.recently_evicted.add_all(n.block_hash for n in evicted)
+        if self.policy.learns_outcomes and evicted:
+            history, stats = self.evicted_history, self.stats
+            stats.record_eviction([n.block_id for n in evicted], now_s)
+            for n in evicted:
+                history.add(n.block_hash, stats.ghost(n.block_id))
         if self.on_event is not None and evicted:
             by_salt: dict[str, list[int]] = {}
             for n in evicted:
@@ -491,5 +537,6 @@ class PrefixCache:
                 root = root.parent
             assert self._roots.get(node.salt) is root
         assert idle == self.num_idle
+        assert (self.stats.state_reused <= self.stats.state_entered).all()
         shared = (b for b in range(pool.num_blocks) if pool.ref_count(b) >= 2)
         assert all(b in self._by_block for b in shared), "a block shared outside the tree"

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import EvictionPolicy, make_policy
+from infercloud.cache.eviction import EvictionPolicy, RequestShape, make_policy
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.cache.prefix_cache import PrefixCache, chain_hash, salt_hash
 
@@ -146,10 +146,10 @@ def replay(
         while events and events[0][0] <= t:
             when, kind, _, index = heapq.heappop(events)
             rid = str(index)
-            if kind == 1:
-                kv.free(rid)
+            r = requests[index]
+            if kind == 1:  # it finishes: its output length is known from now on
+                kv.free(rid, RequestShape(r.input_length, r.output_length))
             else:
-                r = requests[index]
                 kv.cache_blocks(rid, r.salt, r.hash_ids_range, len(r.hash_ids), when)
 
     for index, r in enumerate(requests):

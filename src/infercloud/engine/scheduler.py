@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infercloud.cache.eviction import RequestShape
 from infercloud.cache.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_queue import SchedulingPolicy, make_queue
@@ -123,7 +124,9 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv_cache.free(request_id)
+        # its blocks in the prefix cache take the class of its outcome (`eviction.reuse_class`)
+        shape = RequestShape(request.num_prompt_tokens, request.num_output_tokens)
+        self.kv_cache.free(request_id, shape)
         request.status = status
         return request
 
