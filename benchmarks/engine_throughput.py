@@ -239,6 +239,9 @@ def main() -> None:
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--poisson-rate", type=float, default=2.0)
     parser.add_argument(
+        "--engine-args", default="", help="extra options for `infercloud engine`, one string"
+    )
+    parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine_throughput.json"
     )
     args = parser.parse_args()
@@ -274,6 +277,7 @@ def main() -> None:
                 "m",
                 "--log-level",
                 "warning",
+                *args.engine_args.split(),
             ],
             8201,
             {},

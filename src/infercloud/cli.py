@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
     engine.add_argument(
+        "--decode-group-overhead-tokens",
+        type=int,
+        default=1024,
+        help="fixed cost of one more group of decodes, in padded tokens (large: one group)",
+    )
+    engine.add_argument(
         "--host-cache-bytes",
         type=parse_bytes,
         default=0,
@@ -210,6 +216,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         host_cache_path=args.host_cache_path,
         host_cache_load=args.host_cache_load,
+        decode_group_overhead_tokens=args.decode_group_overhead_tokens,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_num_seqs=args.max_num_seqs,
