@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from infercloud.engine.config import DEFAULT_KV_CACHE_BYTES
+from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS, DEFAULT_KV_CACHE_BYTES
 from infercloud.engine.step_shape import StepShape
 from infercloud.gateway import cli as gateway_cli
 from infercloud.ledger import cli as ledger_cli
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
-        default=1024,
+        default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
         help="fixed cost of one more group of decodes, in padded tokens (large: one group)",
     )
     engine.add_argument(

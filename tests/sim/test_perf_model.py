@@ -88,6 +88,32 @@ def test_a_prefill_chunk_costs_per_chunk_s_and_a_decode_does_not() -> None:
         assert run[j] == pytest.approx(perf.step_s(step))
 
 
+def test_padded_decode_groups_read_what_the_builtin_engine_reads() -> None:
+    """With the engine's grouping, decodes read their group's longest context (in whole
+    blocks) and each group costs `decode_group_overhead_tokens` keys more."""
+    plain = _perf(efficiency=Efficiency(), block_size=16)
+    padded = _perf(efficiency=Efficiency(decode_group_overhead_tokens=1024), block_size=16)
+    per_pair = plain.model.attention_flops_per_pair()
+
+    def extra_keys(shape: StepShape) -> float:
+        return (padded.work(shape).attention_flops - plain.work(shape).attention_flops) / per_pair
+
+    equal = StepShape(tuple((159, 1) for _ in range(8)), 8)  # 160 keys each: 10 whole blocks
+    assert extra_keys(equal) == pytest.approx(1024)  # one group, no padding
+    # 18 at 100 keys and 18 at 1,100: two groups (7 and 69 blocks), padded to 112 and 1,104
+    mixed = StepShape(tuple((99, 1) for _ in range(18)) + tuple((1099, 1) for _ in range(18)), 36)
+    assert extra_keys(mixed) == pytest.approx(18 * 12 + 18 * 4 + 2 * 1024)
+    assert padded.work(mixed).kv_bytes > plain.work(mixed).kv_bytes
+    prefill = StepShape(((0, 256),), 1)  # prefill chunks are not padded
+    assert extra_keys(prefill) == 0
+    # a decode run is priced step by step, as step_s prices each step
+    starts = [99] * 3 + [1099] * 3
+    run = padded.decode_run_s(starts, 20)
+    for j in (0, 7, 19):
+        step = StepShape(tuple((s + j, 1) for s in starts), 6)
+        assert run[j] == pytest.approx(padded.step_s(step))
+
+
 def test_fit_recovers_the_factors_that_made_the_measurements() -> None:
     truth = Efficiency(
         compute=0.35,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from infercloud.engine.scheduler import SchedulerConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +35,7 @@ class EngineConfig:
     """"auto": load a host hit back when copying is measured to be cheaper than recomputing;
     "always": load every host hit."""
     packed_linear: bool = True
-    decode_group_overhead_tokens: int = 1024
+    decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
     """Decoding requests attend in groups of similar context length; a group costs about this
     many tokens of padded attention in fixed work (`engine/decode_groups.py`; on this CPU a
     group is ~4.5 ms per step and a padded token ~4.3 us). Large: one group, as before."""

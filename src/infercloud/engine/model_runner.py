@@ -17,6 +17,7 @@ import torch
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
 from infercloud.engine.decode_groups import decode_groups
 from infercloud.engine.host_allocator import keep_freed_memory
 from infercloud.engine.llama import LlamaModel
@@ -70,7 +71,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         packed_linear: bool = True,
-        decode_group_overhead_tokens: int = 1024,
+        decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
     ) -> None:
         if device.type == "cpu":
             keep_freed_memory()

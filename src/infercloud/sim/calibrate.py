@@ -31,10 +31,11 @@ from typing import Any
 
 import yaml
 
+from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.hardware import Accelerator
 from infercloud.sim.model_specs import ModelSpec
-from infercloud.sim.perf_model import PerfModel, fit_efficiency
+from infercloud.sim.perf_model import Efficiency, PerfModel, fit_efficiency
 
 LOCAL = "local-cpu"
 PREFILL_LENGTHS = (16, 64, 128, 256, 512, 1024, 2048)
@@ -301,7 +302,9 @@ def calibrate(
     today = date.today().isoformat()
     source = f"measured by infercloud calibrate on {cpu_name()}, {os.cpu_count()} cores, {today}"
     device = Accelerator(LOCAL, peak, memory_gb(), bandwidth, bandwidth, bandwidth, source)
-    perf = PerfModel(spec, device, dtype_bytes=dtype_bytes, block_size=block_size)
+    # the engine served as calibrated pads its decodes in groups (its default rule)
+    padded = Efficiency(decode_group_overhead_tokens=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS)
+    perf = PerfModel(spec, device, padded, dtype_bytes=dtype_bytes, block_size=block_size)
     fit_source = (
         f"fitted to {len(samples)} steps of {name} ({torch_dtype}, "
         f"threads={torch.get_num_threads()}) on {today}"

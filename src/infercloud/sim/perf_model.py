@@ -19,6 +19,12 @@ A step (`StepShape`) does three kinds of work:
   - comm_s (tensor parallel over `tp` devices): two all-reduces of the activations per layer,
     2 (tp - 1) / tp x tokens x hidden x dtype bytes each, over the interconnect;
   - host_load_s: blocks copied back from the second tier over the host link;
+  - padded decode groups (`decode_group_overhead_tokens` set: the builtin engine): decodes
+    attend in groups of similar context length (`engine.decode_groups`), each request of a
+    group reading the group's longest context, and each group costing as much as that many
+    padded keys (the engine's own rule for forming them); the padding and the groups' cost
+    count as attention pairs and KV bytes. None (the default): an engine whose attention
+    kernel reads exactly each request's context (vLLM, SGLang on GPUs);
   - per_chunk_s: what each prefill chunk (a request computing more than one token in the
     step) costs beyond its FLOPs and bytes. An engine that attends chunk by chunk (the builtin
     engine gathers each chunk's context and builds its causal mask in every layer) pays it; a
@@ -44,6 +50,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from infercloud.engine.decode_groups import decode_groups
 from infercloud.engine.step_shape import StepShape
 from infercloud.sim.model_specs import ModelSpec
 
@@ -77,6 +84,9 @@ class Efficiency:
     """Extra cost per request in the step (block tables, sampling, output handling)."""
     per_chunk_s: float = 0.0
     """Extra cost per prefill chunk in the step (attention run chunk by chunk)."""
+    decode_group_overhead_tokens: float | None = None
+    """The engine pads decodes within groups of similar length (the builtin engine: its
+    `decode_group_overhead_tokens`); None: no padding. A property of the engine, not fitted."""
     source: str = "defaults (uncalibrated)"
 
 
@@ -119,6 +129,10 @@ class PerfModel:
         linear = m.linear_flops_per_token() * tokens + m.lm_head_flops_per_row() * shape.num_sampled
         attention = m.attention_flops_per_pair() * shape.attention_pairs
         kv = self.kv_bytes_per_token * (shape.context_tokens + tokens)
+        padding = self._decode_padding_tokens(shape)
+        if padding:
+            attention += m.attention_flops_per_pair() * padding
+            kv += self.kv_bytes_per_token * padding
         comm = 0.0
         if self.tp > 1:
             per_reduce = 2 * (self.tp - 1) / self.tp * tokens * m.hidden_size * self.dtype_bytes
@@ -128,6 +142,21 @@ class PerfModel:
         return StepWork(
             linear, attention, self.weight_bytes, kv, comm, host, shape.num_seqs, prefill_chunks
         )
+
+    def _decode_padding_tokens(self, shape: StepShape) -> int:
+        """Keys the decodes of the step read beyond their contexts when the engine pads them in
+        groups, plus each group's fixed cost in keys (0 without padding)."""
+        overhead = self.efficiency.decode_group_overhead_tokens
+        if overhead is None:
+            return 0
+        contexts = sorted(start + 1 for start, n in shape.chunks if n == 1)
+        if not contexts:
+            return 0
+        bs = self.block_size
+        blocks = [-(-c // bs) for c in contexts]
+        groups = decode_groups(blocks, overhead / bs)
+        padded = sum(len(g) * blocks[g.stop - 1] * bs for g in groups)
+        return padded - sum(contexts) + round(overhead) * len(groups)
 
     def time_of(self, work: StepWork, eff: Efficiency | None = None) -> float:
         e = eff or self.efficiency
@@ -160,7 +189,12 @@ class PerfModel:
         is at `starts` (step j computes token `start + j` of each), as a numpy array: each the
         same as `step_s` of that step's shape. A decode step's work is affine in j (attention
         pairs and KV read grow by one token per request per step), so it is taken from the
-        first two steps' and priced all at once."""
+        first two steps' and priced all at once. With padded decode groups it is not
+        (padding moves in whole blocks), so each step is priced on its own."""
+        if self.efficiency.decode_group_overhead_tokens is not None:
+            n = len(starts)
+            shapes = (StepShape(tuple((s + j, 1) for s in starts), n) for j in range(steps))
+            return np.array([self.step_s(shape) for shape in shapes])
         first = self.work(StepShape(tuple((s, 1) for s in starts), len(starts)))
         second = self.work(StepShape(tuple((s + 1, 1) for s in starts), len(starts)))
         j = np.arange(steps, dtype=float)
@@ -215,7 +249,7 @@ def fit_efficiency(
 
     def effs(x: Any) -> Efficiency:
         values = {f: float(v) for f, v in zip(_FIELDS, x, strict=True)}
-        return Efficiency(**values, source=source)
+        return replace(start, **values, source=source)
 
     def residuals(x: Any) -> Any:
         e = effs(x)
