@@ -24,6 +24,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -181,7 +182,10 @@ def main() -> None:
     try:
         for name, reqs in workloads(vocab).items():
             logged = len(STEP_LOG.read_text().splitlines()) if STEP_LOG.exists() else 0
+            client_cpu_s = time.process_time()
             real = asyncio.run(real_run(server.url, DEFAULT_MODEL_NAME, reqs, vocab))
+            # the client shares the machine's cores with the engine it measures
+            real["client_cpu_s"] = time.process_time() - client_cpu_s
             steps = step_errors(read_steps(STEP_LOG, logged), perf)
             sim = sim_run(reqs, args.calibration, args.kv_cache)
             errors = {k: sim[k] / real[k] - 1 if real[k] else None for k in COMPARED}
@@ -191,6 +195,7 @@ def main() -> None:
                 err = errors[k]
                 shown = f"{err:+.1%}" if err is not None else "n/a"
                 print(f"  {k:<22} real {real[k]:>10.2f}  sim {sim[k]:>10.2f}  error {shown}")
+            print(f"  client CPU {real['client_cpu_s']:.1f} s over {real['duration']:.1f} s")
             for kind, e in steps.items():
                 print(
                     f"  steps {kind:<22} {e['steps']:>5}  measured {e['measured_s']:8.2f} s"
