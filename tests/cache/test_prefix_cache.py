@@ -327,4 +327,4 @@ def test_a_policy_that_learns_nothing_costs_no_outcome_bookkeeping() -> None:
     run(kv, "x", list(range(100, 109)), 1.0)  # evicts a's block
     removed = [h for e in events if e.kind == "removed" for h in e.block_hashes]
     assert removed and (cache.stats.feature_class == PENDING).all()
-    assert all(cache.evicted_history.pop(h) is None for h in removed)
+    assert all(cache.recently_evicted.pop_history(h) is None for h in removed)

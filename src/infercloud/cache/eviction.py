@@ -85,6 +85,11 @@ def reuse_class(hit: bool, prompt_tokens: int | None, output_tokens: int | None)
     return 1 + (int(hit) * _NUM_OUTPUT + out) * _NUM_PROMPT + prompt
 
 
+def hit_state(num_hits: int) -> int:
+    """The state of a block hit `num_hits` (>= 1) times."""
+    return NUM_FEATURE_CLASSES - 1 + min(num_hits, HIT_STATES)
+
+
 def gap_bucket(gap_s: float) -> int:
     """The `GAP_BUCKETS` index of a gap in seconds."""
     _, exponent = math.frexp(max(0.0, gap_s))
@@ -231,9 +236,9 @@ class BlockStats:
     def _count_use(self, feature_class: int, hits: int, last_access_s: float, now_s: float) -> None:
         """A block of `feature_class` used `hits` times so far is used again: its visit to its
         state ends in a reuse, it enters the next hit state, and the gap is counted."""
-        state = feature_class if hits == 0 else NUM_FEATURE_CLASSES - 1 + min(hits, HIT_STATES)
+        state = feature_class if hits == 0 else hit_state(hits)
         self.state_reused[state] += 1
-        self.state_entered[NUM_FEATURE_CLASSES - 1 + min(hits + 1, HIT_STATES)] += 1
+        self.state_entered[hit_state(hits + 1)] += 1
         self.gap_hits[state, gap_bucket(now_s - last_access_s)] += 1
 
 

@@ -32,6 +32,7 @@ import hashlib
 import heapq
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -74,56 +75,41 @@ class CacheNode:
         return self.depth * len(self.key)
 
 
-class RecentHashes:
-    """The hashes of the latest blocks added: at least the last `capacity` distinct ones and at
-    most twice as many. Two generations of sets, the older dropped whole when the newer holds
-    `capacity` (an add and a lookup are each a set operation, nothing to trim per block); a
+class RecentlyEvicted:
+    """The latest evicted blocks by prefix hash, each with its history (`Ghost`) when the
+    policy learns from outcomes, else None: at least the last `capacity` distinct ones and at
+    most twice as many. Two generations of dicts, the older dropped whole when the newer holds
+    `capacity` (an add and a lookup are each a dict operation, nothing to trim per block); a
     hash added again counts from then."""
 
     __slots__ = ("_capacity", "_new", "_old")
 
     def __init__(self, capacity: int) -> None:
         self._capacity = max(1, capacity)
-        self._new: set[int] = set()
-        self._old: set[int] = set()
+        self._new: dict[int, Ghost | None] = {}
+        self._old: dict[int, Ghost | None] = {}
 
-    def add_all(self, hashes: Iterable[int]) -> None:
+    def add_all(self, hashes: Iterable[int], histories: Iterable[Ghost] | None = None) -> None:
+        values: Iterable[Ghost | None] = repeat(None) if histories is None else histories
         new = self._new
-        for h in hashes:
-            new.add(h)
+        for h, history in zip(hashes, values, strict=False):  # values may be endless
+            new[h] = history
             if len(new) >= self._capacity:
-                self._old, self._new = new, set()
+                self._old, self._new = new, {}
                 new = self._new
+
+    def pop_history(self, block_hash: int) -> Ghost | None:
+        """The history of an evicted block, forgotten (its prefix is cached again)."""
+        history = self._new.pop(block_hash, None)
+        if history is None:
+            history = self._old.pop(block_hash, None)
+        return history
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._new or block_hash in self._old
 
     def __bool__(self) -> bool:
         return bool(self._new or self._old)
-
-
-class EvictedHistory:
-    """The histories (`Ghost`) of the latest evicted blocks by prefix hash: at least the last
-    `capacity` and at most twice as many, in two generations like `RecentHashes`."""
-
-    __slots__ = ("_capacity", "_new", "_old")
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = max(1, capacity)
-        self._new: dict[int, Ghost] = {}
-        self._old: dict[int, Ghost] = {}
-
-    def add(self, block_hash: int, ghost: Ghost) -> None:
-        self._new[block_hash] = ghost
-        if len(self._new) >= self._capacity:
-            self._old, self._new = self._new, {}
-
-    def pop(self, block_hash: int) -> Ghost | None:
-        """The history of an evicted block, forgotten (the prefix is cached again)."""
-        ghost = self._new.pop(block_hash, None)
-        if ghost is None:
-            ghost = self._old.pop(block_hash, None)
-        return ghost
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,13 +167,12 @@ class PrefixCache:
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
-        self.recently_evicted = RecentHashes(EVICTED_HASHES_KEPT)
-        """Hashes of the latest evicted blocks (at least the last `EVICTED_HASHES_KEPT`), so
-        that the ledger can tell context that is computed again from context never seen."""
-        self.evicted_history = EvictedHistory(EVICTED_HASHES_KEPT)
-        """The histories of the latest evicted blocks: a block stored again for one of these
-        prefixes resumes it (`BlockStats.record_revival`), so the policy learns from the
-        reuses it missed as well as from its hits."""
+        self.recently_evicted = RecentlyEvicted(EVICTED_HASHES_KEPT)
+        """The latest evicted blocks (at least the last `EVICTED_HASHES_KEPT`), so that the
+        ledger can tell context that is computed again from context never seen and, with a
+        policy that learns from outcomes, a block stored again for one of these prefixes
+        resumes its history (`BlockStats.record_revival`): the policy learns from the reuses
+        it missed as well as from its hits."""
 
     # -- lookups -------------------------------------------------------------------------------
 
@@ -379,9 +364,9 @@ class PrefixCache:
         stats = self.stats
         stats.record_inserts(blocks, depths, stored, now_s)
         if self.policy.learns_outcomes:
-            history = self.evicted_history
+            evicted = self.recently_evicted
             for block, block_hash in zip(blocks, stored, strict=True):
-                ghost = history.pop(block_hash)
+                ghost = evicted.pop_history(block_hash)
                 if ghost is not None:
                     stats.record_revival(block, ghost, now_s)
         if self.on_event is not None:
@@ -413,12 +398,14 @@ class PrefixCache:
             self._evict_ranked(num_blocks, evicted)
         else:
             self._evict_ranking(num_blocks, now_s, evicted)
-        self.recently_evicted.add_all(n.block_hash for n in evicted)
+        evicted_hashes = (n.block_hash for n in evicted)
         if self.policy.learns_outcomes and evicted:
-            history, stats = self.evicted_history, self.stats
+            stats = self.stats
             stats.record_eviction([n.block_id for n in evicted], now_s)
-            for n in evicted:
-                history.add(n.block_hash, stats.ghost(n.block_id))
+            histories = (stats.ghost(n.block_id) for n in evicted)
+            self.recently_evicted.add_all(evicted_hashes, histories)
+        else:
+            self.recently_evicted.add_all(evicted_hashes)
         if self.on_event is not None and evicted:
             by_salt: dict[str, list[int]] = {}
             for n in evicted:
