@@ -108,3 +108,8 @@ def test_decode_groups_of_different_lengths_match_transformers(tiny_model_dir: P
     prompts = varied_prompts(vocab, [3, 70, 9, 40, 150, 17])
     got = engine_greedy(llm, prompts, 20)
     assert got == reference_greedy(tiny_model_dir, prompts, 20)
+
+
+def test_a_negative_decode_group_cost_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="decode_group_overhead_tokens"):
+        LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_group_overhead_tokens=-1)

@@ -113,6 +113,8 @@ class LLMEngine:
         )
         if num_blocks < 1:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block")
+        if config.decode_group_overhead_tokens < 0:
+            raise ValueError("decode_group_overhead_tokens must be >= 0")
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
