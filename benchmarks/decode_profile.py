@@ -2,7 +2,8 @@
 
 Prefills all requests, then runs 10 decode steps under cProfile and prints where time goes.
 
-    .venv/bin/python benchmarks/decode_profile.py [--dtype bfloat16]
+    .venv/bin/python benchmarks/decode_profile.py [--dtype bfloat16] [--decode-attention torch]
+        [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import cProfile
 import pstats
 import time
 
+import torch
+
 from infercloud.engine.llm import LLM
 from infercloud.engine.sampling_params import SamplingParams
 
@@ -19,13 +22,29 @@ from infercloud.engine.sampling_params import SamplingParams
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"])
+    parser.add_argument(
+        "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
+    )
     args = parser.parse_args()
-    engine = LLM("SmolLM2-135M-Instruct", dtype=args.dtype).engine
+    llm = LLM("SmolLM2-135M-Instruct", dtype=args.dtype, decode_attention=args.decode_attention)
+    engine = llm.engine
+    print(f"decode attention: {'kernel' if engine.decode_kernel else 'torch'}")
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(32):
         engine.add_request(str(i), [100 + (i * 7 + j) % 20000 for j in range(128)], params)
     for _ in range(12):  # prefill (4096 tokens at 512 a step) and a few decodes
         engine.step()
+    start = time.perf_counter()
+    for _ in range(10):
+        engine.step()
+    print(f"decode step (unprofiled): {(time.perf_counter() - start) * 100:.1f} ms")
+    if args.torch_profiler:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        return
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()

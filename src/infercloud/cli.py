@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
     engine.add_argument(
+        "--decode-attention",
+        default="auto",
+        choices=["auto", "kernel", "torch"],
+        help="decodes through our CPU kernel (in place, no padding) or padded groups in torch",
+    )
+    engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
         default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
@@ -216,6 +222,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         host_cache_bytes=args.host_cache_bytes,
         host_cache_path=args.host_cache_path,
         host_cache_load=args.host_cache_load,
+        decode_attention=args.decode_attention,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -230,7 +237,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
         engine.step_listeners.append(_step_logger(args.step_log))
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
-        f"blocks of {config.block_size} tokens) on http://{args.host}:{args.port}",
+        f"blocks of {config.block_size} tokens, decode attention: "
+        f"{'kernel' if llm.decode_kernel else 'torch'}) on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

@@ -63,13 +63,21 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], num_tokens: int) -> list[l
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
+@pytest.mark.parametrize("decode_attention", ["kernel", "torch"])
 def test_tiny_model_matches_transformers(
     tiny_model_dir: Path,
     kv_cache_bytes: int,
     scheduler: SchedulerConfig,
     expect_preemption: bool,
+    decode_attention: str,
 ) -> None:
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=kv_cache_bytes, scheduler=scheduler)
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=kv_cache_bytes,
+        scheduler=scheduler,
+        decode_attention=decode_attention,
+    )
+    assert llm.engine.decode_kernel == (decode_attention == "kernel")
     vocab = llm.engine.model_config.vocab_size
     prompts = varied_prompts(vocab, [1, 5, 17, 33, 48, 60])
     got = engine_greedy(llm, prompts, 24)
@@ -80,14 +88,21 @@ def test_tiny_model_matches_transformers(
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers(real_model_dir: Path) -> None:
-    """The real model: batching, chunked prefill and forced preemption in one run."""
+@pytest.mark.parametrize("decode_attention", ["kernel", "torch"])
+def test_smollm2_matches_transformers(real_model_dir: Path, decode_attention: str) -> None:
+    """The real model: batching, chunked prefill and forced preemption in one run (its head
+    size, 64, takes the kernel's vectorised path; the tiny model's, 16, the generic one)."""
     config = EngineConfig(
         model=str(real_model_dir),
         kv_cache_bytes=12 * 16 * 46080,  # 12 blocks of 16 tokens: forces preemption
         scheduler=SchedulerConfig(max_num_batched_tokens=64, long_prefill_token_threshold=40),
     )
-    llm = LLM(config.model, kv_cache_bytes=config.kv_cache_bytes, scheduler=config.scheduler)
+    llm = LLM(
+        config.model,
+        kv_cache_bytes=config.kv_cache_bytes,
+        scheduler=config.scheduler,
+        decode_attention=decode_attention,
+    )
     texts = [
         "The capital of France is",
         "def fibonacci(n):",
@@ -103,7 +118,12 @@ def test_smollm2_matches_transformers(real_model_dir: Path) -> None:
 
 def test_decode_groups_of_different_lengths_match_transformers(tiny_model_dir: Path) -> None:
     """With no fixed cost per group, every context length decodes in its own group."""
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_group_overhead_tokens=0)
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=4 << 20,
+        decode_attention="torch",
+        decode_group_overhead_tokens=0,
+    )
     vocab = llm.engine.model_config.vocab_size
     prompts = varied_prompts(vocab, [3, 70, 9, 40, 150, 17])
     got = engine_greedy(llm, prompts, 20)
@@ -113,3 +133,8 @@ def test_decode_groups_of_different_lengths_match_transformers(tiny_model_dir: P
 def test_a_negative_decode_group_cost_is_refused(tiny_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="decode_group_overhead_tokens"):
         LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_group_overhead_tokens=-1)
+
+
+def test_an_unknown_decode_attention_is_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="decode_attention"):
+        LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_attention="flash")

@@ -10,8 +10,10 @@ head), then each query reads the blocks of its own request's block table.
 The row indices are built once per step by the model runner and shared by all layers.
 
 Queries are grouped as the model runner lays them out: all single-token (decode) rows first,
-in groups of similar context length (`decode_groups`), each group batched into one call, then
-each multi-token chunk (prefill) with its own causal bias.
+then each multi-token chunk (prefill) with its own causal bias. Decodes take one of two paths:
+on the CPU, where our kernel builds (`cpu_kernels.py`), one call reads every sequence's blocks
+in place, each at its own length (`PagedDecodeBatch`); elsewhere they are gathered into padded
+batches of similar context length (`decode_groups`), each batched into one call.
 Grouped-query attention needs no copies of the KV heads: the query heads that share a KV head
 are folded into the query-length axis.
 """
@@ -38,6 +40,17 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class PagedDecodeBatch:
+    """`num_seqs` single-token queries in rows `0 .. num_seqs - 1`, for the CPU kernel."""
+
+    num_seqs: int
+    block_tables: torch.Tensor
+    """int32 [num_seqs, max_blocks]: each request's blocks; entries past its last are unread."""
+    context_lens: torch.Tensor
+    """int32 [num_seqs]: keys each query attends to (its own token included)."""
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     """A chunk of `num_query` tokens in rows `row_start ..` over the request's first blocks."""
 
@@ -57,6 +70,8 @@ class AttentionMetadata:
     and value are written (head * num_slots + slot), head major."""
     decodes: list[DecodeBatch]
     prefills: list[PrefillChunk]
+    paged_decode: PagedDecodeBatch | None = None
+    """Set instead of `decodes` when the CPU kernel serves the decodes."""
 
 
 def paged_attention(
@@ -77,6 +92,19 @@ def paged_attention(
     k_cache.view(flat).index_copy_(0, meta.write_rows, k.transpose(0, 1).reshape(flat))
     v_cache.view(flat).index_copy_(0, meta.write_rows, v.transpose(0, 1).reshape(flat))
     out = q.new_empty(num_tokens, num_heads * head_dim)
+
+    paged = meta.paged_decode
+    if paged is not None:
+        num_blocks = k_cache.shape[0] // num_kv_heads
+        out[: paged.num_seqs] = torch.ops.infercloud.paged_decode_attention(
+            q[: paged.num_seqs].contiguous(),
+            k_cache,
+            v_cache,
+            paged.block_tables,
+            paged.context_lens,
+            scale,
+            num_blocks,
+        )
 
     for decode in meta.decodes:
         n = decode.num_seqs

@@ -35,9 +35,15 @@ class EngineConfig:
     """"auto": load a host hit back when copying is measured to be cheaper than recomputing;
     "always": load every host hit."""
     packed_linear: bool = True
-    decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
-    """Decoding requests attend in groups of similar context length; a group costs about this
-    many tokens of padded attention in fixed work (`engine/decode_groups.py`; on this CPU a
-    group is ~4.5 ms per step and a padded token ~4.3 us). Large: one group, as before."""
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
+    decode_attention: str = "auto"
+    """How decoding requests attend: "kernel": our C++ kernel reads each request's blocks in
+    place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);
+    "torch": gathered into padded groups in plain torch (any device); "auto": the kernel on the
+    CPU where it builds, else torch."""
+    decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
+    """With torch decode attention, decoding requests attend in groups of similar context
+    length; a group costs about this many tokens of padded attention in fixed work
+    (`engine/decode_groups.py`; on this CPU a group is ~4.5 ms per step and a padded token
+    ~4.3 us). Large: one group."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -24,6 +24,7 @@ from infercloud.cache.kv_cache_manager import KVCacheManager, SecondTier
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
 from infercloud.cache.transfer_cost import TransferCostModel, attention_pairs
 from infercloud.engine.config import EngineConfig
+from infercloud.engine.cpu_kernels import load_error, load_paged_decode
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
 from infercloud.engine.model_config import ModelConfig
@@ -44,6 +45,22 @@ from infercloud.engine.step_shape import StepShape
 from infercloud.models.registry import resolve_model
 
 KV_EVENTS_KEPT = 10_000
+
+
+def _use_decode_kernel(choice: str, device: str) -> bool:
+    """Resolve `EngineConfig.decode_attention` for `device` (building the kernel if needed)."""
+    if choice not in ("auto", "kernel", "torch"):
+        raise ValueError(f"decode_attention must be auto, kernel or torch, got {choice!r}")
+    if choice == "torch":
+        return False
+    on_cpu = torch.device(device).type == "cpu"
+    if choice == "kernel":
+        if not on_cpu:
+            raise ValueError(f"decode_attention='kernel' runs on the CPU only, not on {device}")
+        if not load_paged_decode():
+            raise RuntimeError(f"the CPU decode attention kernel is unavailable: {load_error()}")
+        return True
+    return on_cpu and load_paged_decode()
 
 
 class RequestRejectedError(ValueError):
@@ -115,6 +132,8 @@ class LLMEngine:
             raise ValueError(f"kv_cache_bytes={config.kv_cache_bytes} holds no KV block")
         if config.decode_group_overhead_tokens < 0:
             raise ValueError("decode_group_overhead_tokens must be >= 0")
+        self.decode_kernel = _use_decode_kernel(config.decode_attention, config.device)
+        """Whether decodes attend through our CPU kernel (`EngineConfig.decode_attention`)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -147,6 +166,7 @@ class LLMEngine:
             seed=config.seed,
             packed_linear=config.packed_linear,
             decode_group_overhead_tokens=config.decode_group_overhead_tokens,
+            decode_kernel=self.decode_kernel,
         )
         self.second_tier = self._second_tier(config, num_blocks)
         self.kv_cache.second_tier = self.second_tier

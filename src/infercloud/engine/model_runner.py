@@ -16,7 +16,12 @@ from pathlib import Path
 import torch
 
 from infercloud.cache.kv_cache_manager import KVCacheManager
-from infercloud.engine.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from infercloud.engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PagedDecodeBatch,
+    PrefillChunk,
+)
 from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
 from infercloud.engine.decode_groups import decode_groups
 from infercloud.engine.host_allocator import keep_freed_memory
@@ -72,7 +77,10 @@ class ModelRunner:
         seed: int = 0,
         packed_linear: bool = True,
         decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
+        decode_kernel: bool = False,
     ) -> None:
+        """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`
+        (the caller has loaded it: `cpu_kernels.load_paged_decode()`); else in padded groups."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -97,6 +105,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.group = config.num_heads // config.num_kv_heads
         self.decode_group_overhead_tokens = decode_group_overhead_tokens
+        self.decode_kernel = decode_kernel
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
 
@@ -135,10 +144,12 @@ class ModelRunner:
                 sampled.append(chunk)
 
         slots = torch.tensor(slot_mapping, dtype=torch.long)
+        paged = self.decode_kernel and bool(decodes)
         meta = AttentionMetadata(
             write_rows=self._per_head(slots, self.num_blocks * bs).to(self.device),
-            decodes=self._decode_batches(decodes, kv_cache),
+            decodes=[] if paged else self._decode_batches(decodes, kv_cache),
             prefills=self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
+            paged_decode=self._paged_decode(decodes, kv_cache) if paged else None,
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -171,6 +182,31 @@ class ModelRunner:
         heads = torch.arange(self.config.num_kv_heads, dtype=torch.long).unsqueeze(1)
         return (heads * stride + index.unsqueeze(0)).reshape(-1)
 
+    def _block_tables(
+        self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Each decode's blocks covering its context, padded with block 0 to the longest, and
+        the contexts (keys each query attends to, its own included)."""
+        bs = self.block_size
+        contexts = [c.start + 1 for c in chunks]
+        max_blocks = -(-max(contexts) // bs)
+        rows = []
+        for c, n in zip(chunks, contexts, strict=True):
+            table = kv_cache.block_table(c.request.request_id)[: -(-n // bs)]
+            rows.append(table + [0] * (max_blocks - len(table)))
+        return torch.tensor(rows, dtype=dtype), contexts
+
+    def _paged_decode(
+        self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager
+    ) -> PagedDecodeBatch:
+        """Every decode in one call of the kernel, each at its own context length."""
+        tables, contexts = self._block_tables(chunks, kv_cache, torch.int32)
+        return PagedDecodeBatch(
+            num_seqs=len(chunks),
+            block_tables=tables,
+            context_lens=torch.tensor(contexts, dtype=torch.int32),
+        )
+
     def _decode_batches(
         self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager
     ) -> list[DecodeBatch]:
@@ -184,12 +220,8 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], row_start: int, kv_cache: KVCacheManager
     ) -> DecodeBatch:
         bs = self.block_size
-        contexts = [c.start + 1 for c in chunks]
-        max_blocks = -(-max(contexts) // bs)
-        tables = torch.zeros(len(chunks), max_blocks, dtype=torch.long)
-        for i, c in enumerate(chunks):
-            table = kv_cache.block_table(c.request.request_id)[:max_blocks]
-            tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        tables, contexts = self._block_tables(chunks, kv_cache, torch.long)
+        max_blocks = tables.shape[1]
         offsets = torch.arange(max_blocks * bs)
         mask = offsets.unsqueeze(0) < torch.tensor(contexts).unsqueeze(1)
         return DecodeBatch(

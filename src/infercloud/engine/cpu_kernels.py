@@ -1,0 +1,123 @@
+"""Build and load the engine's own C++ kernels for the CPU (`csrc/`), once per machine.
+
+The kernels are compiled with the system's C++ compiler against the installed torch's headers
+and registered as torch operators (`torch.ops.infercloud.*`). The shared object is cached under
+`cache_dir()/kernels/<key>/`, where the key hashes the source, the torch version, the compiler
+flags and this CPU's instruction-set flags (the build uses `-march=native`, so a cache moved to
+another CPU is rebuilt, not run). A build writes to a temporary file and renames it into place,
+so two processes building at once cannot load a half-written file.
+
+Where no compiler is present or the build fails, `load_paged_decode()` returns False with the
+reason in `load_error()`, and the engine keeps attention in plain torch (`attention.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from infercloud.models.registry import cache_dir
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w")
+"""`-fopenmp` links libgomp.so.1, which resolves to the copy torch already loaded: one OpenMP
+thread pool in the process, not two contending for the cores."""
+
+_errors: list[str] = []
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _build_key(compiler: str) -> str:
+    digest = hashlib.sha256()
+    for part in (
+        SOURCE.read_bytes(),
+        torch.__version__.encode(),
+        " ".join(CXX_FLAGS).encode(),
+        compiler.encode(),
+        _cpu_flags().encode(),
+        sys.version.encode(),
+    ):
+        digest.update(part)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def _compile(compiler: str, out: Path) -> None:
+    torch_dir = Path(torch.__file__).parent
+    abi = int(torch.compiled_with_cxx11_abi())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    command = [
+        compiler,
+        *CXX_FLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{torch_dir / 'include'}",
+        f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE),
+        f"-L{torch_dir / 'lib'}",
+        "-lc10",
+        "-ltorch_cpu",
+        f"-Wl,-rpath,{torch_dir / 'lib'}",
+        "-o",
+        tmp_name,
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr[-2000:]}")
+        os.replace(tmp_name, out)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+
+
+@functools.cache
+def load_paged_decode() -> bool:
+    """Whether `torch.ops.infercloud.paged_decode_attention` is available (building it on the
+    first call on this machine: about 10 s). Never raises; see `load_error()` on False."""
+    if os.environ.get("INFERCLOUD_CPU_KERNELS", "1") == "0":
+        _errors.append("disabled by INFERCLOUD_CPU_KERNELS=0")
+        return False
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        _errors.append("no C++ compiler (g++ or c++) on PATH")
+        return False
+    target = cache_dir() / "kernels" / _build_key(compiler) / "paged_attention.so"
+    try:
+        if not target.is_file():
+            log.info("building the CPU attention kernel into %s", target)
+            _compile(compiler, target)
+        torch.ops.load_library(str(target))  # type: ignore[no-untyped-call]
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _errors.append(str(exc))
+        log.warning("CPU attention kernel unavailable, attention stays in torch: %s", exc)
+        return False
+    return True
+
+
+def load_error() -> str | None:
+    """Why `load_paged_decode()` returned False, if it did."""
+    return _errors[-1] if _errors else None

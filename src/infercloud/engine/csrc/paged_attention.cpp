@@ -1,0 +1,323 @@
+// Decode attention over the paged KV cache, for the CPU: one query token per sequence reads
+// its own request's blocks straight from the pool (no gather into a padded copy), in one pass
+// per (sequence, KV head) that serves every query head of the group.
+//
+// Layout (see attention.py): a layer's cache is [num_kv_heads * num_blocks, block_size, head_dim],
+// row `kv_head * num_blocks + block`. block_tables is int32 [num_seqs, max_blocks] (entries past
+// a sequence's last block are ignored), context_lens int32 [num_seqs] (>= 1).
+//
+// Arithmetic: scores, softmax and the weighted sum of values in float32, whatever the cache's
+// dtype (float32, bfloat16 or float16); the output has q's dtype.
+//
+// Registered as torch.ops.infercloud.paged_decode_attention; built and loaded by kernels.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Conversions to float32, scalar (any CPU).
+
+inline float as_float(float x) { return x; }
+inline float as_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float as_float(c10::Half x) { return static_cast<float>(x); }
+
+// ---------------------------------------------------------------------------------------------
+// One (sequence, KV head) task: the `group` query heads that share the KV head attend to its
+// `ctx` keys, read block by block through `table`. `scores` holds group * ctx floats.
+
+struct Task {
+  const float* q;      // [group, head_dim], already scaled
+  const int32_t* table;
+  int64_t ctx;
+  int64_t kv_head;
+};
+
+struct Shape {
+  int64_t group, head_dim, block_size, num_blocks;
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp for x <= 0 (softmax after subtracting the max): 2^n * p(r), r in [-ln2/2, ln2/2],
+// Taylor polynomial of degree 6 (relative error ~2e-7), scaled by vscalefps.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Softmax numerators in place and 1 / their sum, over `count` scores.
+inline float exp_and_inv_sum(float* s, int64_t count) {
+  __m512 peak_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + 16 <= count; t += 16) peak_v = _mm512_max_ps(peak_v, _mm512_loadu_ps(s + t));
+  float peak = _mm512_reduce_max_ps(peak_v);
+  for (; t < count; ++t) peak = std::max(peak, s[t]);
+  const __m512 peak16 = _mm512_set1_ps(peak);
+  __m512 sum_v = _mm512_setzero_ps();
+  for (t = 0; t + 16 <= count; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak16));
+    _mm512_storeu_ps(s + t, e);
+    sum_v = _mm512_add_ps(sum_v, e);
+  }
+  if (t < count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (count - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), peak16));
+    _mm512_mask_storeu_ps(s + t, mask, e);
+    sum_v = _mm512_add_ps(sum_v, _mm512_maskz_mov_ps(mask, e));
+  }
+  return 1.0f / _mm512_reduce_add_ps(sum_v);
+}
+
+// head_dim = 16 * ND, known at compile time so that a row lives in ND registers.
+template <typename T, int ND>
+void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* v_ptr,
+                 float* scores, T* out) {
+  const int64_t group = shape.group;
+  const int64_t bs = shape.block_size;
+  const int64_t block_stride = bs * 16 * ND;
+  const int64_t used_blocks = (task.ctx + bs - 1) / bs;
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first = b * bs;
+    const int64_t count = std::min(bs, task.ctx - first);
+    const T* kb = k_ptr + (task.kv_head * shape.num_blocks + task.table[b]) * block_stride;
+    for (int64_t t = 0; t < count; ++t) {
+      __m512 k[ND];
+      for (int j = 0; j < ND; ++j) k[j] = load16(kb + t * 16 * ND + 16 * j);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = task.q + g * 16 * ND;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+        for (int j = 1; j < ND; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], acc);
+        scores[g * task.ctx + first + t] = _mm512_reduce_add_ps(acc);
+      }
+    }
+  }
+  float inv_sum[16];
+  for (int64_t g = 0; g < group; ++g) inv_sum[g] = exp_and_inv_sum(scores + g * task.ctx, task.ctx);
+
+  __m512 acc[16 * ND];
+  for (int64_t i = 0; i < group * ND; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    const int64_t first = b * bs;
+    const int64_t count = std::min(bs, task.ctx - first);
+    const T* vb = v_ptr + (task.kv_head * shape.num_blocks + task.table[b]) * block_stride;
+    for (int64_t t = 0; t < count; ++t) {
+      __m512 v[ND];
+      for (int j = 0; j < ND; ++j) v[j] = load16(vb + t * 16 * ND + 16 * j);
+      for (int64_t g = 0; g < group; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * task.ctx + first + t]);
+        for (int j = 0; j < ND; ++j) acc[g * ND + j] = _mm512_fmadd_ps(p, v[j], acc[g * ND + j]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    alignas(64) float row[16 * ND];
+    for (int j = 0; j < ND; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g * ND + j], inv));
+    T* dst = out + g * 16 * ND;
+    for (int d = 0; d < 16 * ND; ++d) dst[d] = static_cast<T>(row[d]);
+  }
+}
+#endif  // __AVX512F__
+
+// Any CPU, any head_dim: the same algorithm in scalar loops (the compiler vectorises some).
+template <typename T>
+void attend_task_generic(const Task& task, const Shape& shape, const T* k_ptr, const T* v_ptr,
+                         float* scores, T* out) {
+  const int64_t group = shape.group, head_dim = shape.head_dim, bs = shape.block_size;
+  const int64_t block_stride = bs * head_dim;
+  for (int64_t t = 0; t < task.ctx; ++t) {
+    const T* kr = k_ptr + (task.kv_head * shape.num_blocks + task.table[t / bs]) * block_stride +
+                  (t % bs) * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < head_dim; ++d) s += task.q[g * head_dim + d] * as_float(kr[d]);
+      scores[g * task.ctx + t] = s;
+    }
+  }
+  std::vector<float> acc(group * head_dim, 0.f);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * task.ctx;
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < task.ctx; ++t) peak = std::max(peak, sg[t]);
+    float sum = 0.f;
+    for (int64_t t = 0; t < task.ctx; ++t) sum += (sg[t] = std::exp(sg[t] - peak));
+    for (int64_t t = 0; t < task.ctx; ++t) sg[t] /= sum;
+  }
+  for (int64_t t = 0; t < task.ctx; ++t) {
+    const T* vr = v_ptr + (task.kv_head * shape.num_blocks + task.table[t / bs]) * block_stride +
+                  (t % bs) * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * task.ctx + t];
+      for (int64_t d = 0; d < head_dim; ++d) acc[g * head_dim + d] += p * as_float(vr[d]);
+    }
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template <typename T>
+void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& block_tables, const at::Tensor& context_lens,
+                      double scale, int64_t num_blocks, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(0) / num_blocks;
+  const Shape shape{num_heads / num_kv_heads, head_dim, k_cache.size(1), num_blocks};
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q_ptr = q.data_ptr<T>();
+  const T* k_ptr = k_cache.data_ptr<T>();
+  const T* v_ptr = v_cache.data_ptr<T>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  T* out_ptr = out.data_ptr<T>();
+  const float scale_f = static_cast<float>(scale);
+
+  // Split the tasks into one contiguous run per thread of about equal work (keys read).
+  const int64_t num_tasks = num_seqs * num_kv_heads;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  int64_t total = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) total += lens[s] * num_kv_heads;
+  std::vector<int64_t> cuts(parts + 1, num_tasks);
+  cuts[0] = 0;
+  int64_t done = 0, part = 1;
+  for (int64_t task = 0; task < num_tasks && part < parts; ++task) {
+    done += lens[task / num_kv_heads];
+    while (part < parts && done * parts >= total * part) cuts[part++] = task + 1;
+  }
+
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(shape.group * head_dim);
+    std::vector<float> scores;
+    for (int64_t p = begin; p < end; ++p) {
+      for (int64_t task_id = cuts[p]; task_id < cuts[p + 1]; ++task_id) {
+        const int64_t seq = task_id / num_kv_heads;
+        const int64_t kv_head = task_id % num_kv_heads;
+        const int64_t first_head = kv_head * shape.group;
+        const T* q_src = q_ptr + (seq * num_heads + first_head) * head_dim;
+        for (int64_t i = 0; i < shape.group * head_dim; ++i) qf[i] = as_float(q_src[i]) * scale_f;
+        const Task task{qf.data(), tables + seq * max_blocks, lens[seq], kv_head};
+        scores.resize(shape.group * task.ctx);
+        T* dst = out_ptr + (seq * num_heads + first_head) * head_dim;
+#if defined(__AVX512F__)
+        if (shape.group <= 16 && head_dim == 64) {
+          attend_task<T, 4>(task, shape, k_ptr, v_ptr, scores.data(), dst);
+          continue;
+        }
+        if (shape.group <= 16 && head_dim == 128) {
+          attend_task<T, 8>(task, shape, k_ptr, v_ptr, scores.data(), dst);
+          continue;
+        }
+#endif
+        attend_task_generic<T>(task, shape, k_ptr, v_ptr, scores.data(), dst);
+      }
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                  const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                  const at::Tensor& context_lens, double scale,
+                                  int64_t num_blocks) {
+  TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "caches must be [num_kv_heads * num_blocks, block_size, head_dim]");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "q and the caches must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the caches differ");
+  TORCH_CHECK(num_blocks > 0 && k_cache.size(0) % num_blocks == 0,
+              "cache rows are not a multiple of num_blocks");
+  const int64_t num_kv_heads = k_cache.size(0) / num_blocks;
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "num_heads is not a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && context_lens.scalar_type() == at::kInt,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  block_tables.is_contiguous(),
+              "block_tables must be contiguous [num_seqs, max_blocks]");
+  TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0) &&
+                  context_lens.is_contiguous(),
+              "context_lens must be contiguous [num_seqs]");
+  {
+    // Every read stays inside the pool: contexts >= 1 and covered by the table, whose used
+    // entries lie in [0, num_blocks).
+    const int64_t block_size = k_cache.size(1);
+    const int64_t max_blocks = block_tables.size(1);
+    const int32_t* lens = context_lens.data_ptr<int32_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    for (int64_t s = 0; s < q.size(0); ++s) {
+      TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * block_size, "context ", lens[s],
+                  " of sequence ", s, " is not in [1, ", max_blocks * block_size, "]");
+      const int64_t used = (lens[s] + block_size - 1) / block_size;
+      for (int64_t b = 0; b < used; ++b) {
+        const int32_t block = tables[s * max_blocks + b];
+        TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in [0, ",
+                    num_blocks, ")");
+      }
+    }
+  }
+  at::Tensor out = at::empty({q.size(0), q.size(1) * q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, scale, num_blocks,
+                              out);
+      break;
+    case at::kBFloat16:
+      decode_attention<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                      num_blocks, out);
+      break;
+    case at::kHalf:
+      decode_attention<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale,
+                                  num_blocks, out);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(infercloud, m) {
+  m.def(
+      "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor context_lens, float scale, int num_blocks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infercloud, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,187 @@
+"""The CPU decode-attention kernel against the plain-torch path, and its checks on bad input.
+
+The reference is `paged_attention` with a padded `DecodeBatch` (gather, matmuls, softmax in
+torch): the same softmax(q k^T * scale) v over each sequence's own blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from infercloud.engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PagedDecodeBatch,
+    paged_attention,
+)
+from infercloud.engine.cpu_kernels import load_error, load_paged_decode
+
+BLOCK_SIZE = 16
+
+pytestmark = pytest.mark.skipif(
+    not load_paged_decode(), reason=f"CPU kernel unavailable: {load_error()}"
+)
+
+
+def _case(
+    lengths: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """q, caches filled with noise, and block tables: each sequence's blocks at random rows."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // BLOCK_SIZE) for n in lengths)
+    num_blocks = len(lengths) * max_blocks + 3
+    shape = (num_kv_heads * num_blocks, BLOCK_SIZE, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=g).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g)[: len(lengths) * max_blocks]
+    return q, k_cache, v_cache, tables.view(len(lengths), max_blocks), num_blocks
+
+
+def _torch_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    num_blocks: int,
+    scale: float,
+) -> torch.Tensor:
+    num_kv_heads = k_cache.shape[0] // num_blocks
+    n, max_blocks = tables.shape
+    heads = torch.arange(num_kv_heads).view(-1, 1)
+    rows = (heads * num_blocks + tables.reshape(1, -1)).reshape(-1)
+    keys = torch.arange(max_blocks * BLOCK_SIZE)
+    mask = keys.view(1, -1) < torch.tensor(lengths).view(-1, 1)
+    bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+    meta = AttentionMetadata(
+        write_rows=torch.empty(0, dtype=torch.long),
+        decodes=[DecodeBatch(0, n, rows, max_blocks, bias.view(1, n, 1, -1))],
+        prefills=[],
+    )
+    empty = q.new_empty(0, num_kv_heads, q.shape[2])
+    # q's rows are all decodes and nothing is written (no new keys): only the read path runs.
+    return paged_attention(q, empty, empty, k_cache, v_cache, meta, scale)
+
+
+def _kernel(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    num_blocks: int,
+    scale: float,
+) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.infercloud.paged_decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        tables.to(torch.int32).contiguous(),
+        torch.tensor(lengths, dtype=torch.int32),
+        scale,
+        num_blocks,
+    )
+    return out
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (4, 1, 128), (4, 2, 16), (6, 3, 40)],
+    ids=["smollm2", "mha", "head128", "tiny", "odd-head-dim"],
+)
+def test_kernel_matches_torch(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    lengths = [1, 15, 16, 17, 33, 100, 250, 7]
+    q, k, v, tables, num_blocks = _case(lengths, num_heads, num_kv_heads, head_dim, dtype, 0)
+    scale = head_dim**-0.5
+    want = _torch_reference(q.float(), k.float(), v.float(), tables, lengths, num_blocks, scale)
+    got = _kernel(q, k, v, tables, lengths, num_blocks, scale)
+    assert got.dtype == dtype and got.shape == (len(lengths), num_heads * head_dim)
+    torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 80), min_size=1, max_size=9),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_kernel_matches_torch_any_lengths(lengths: list[int], seed: int, threads: int) -> None:
+    """Any mix of lengths, split between threads by work: the same result as torch."""
+    q, k, v, tables, num_blocks = _case(lengths, 9, 3, 64, torch.float32, seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = _kernel(q, k, v, tables, lengths, num_blocks, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    want = _torch_reference(q, k, v, tables, lengths, num_blocks, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_large_scores_do_not_overflow() -> None:
+    """The softmax subtracts the row's maximum: scores of 1e4 give finite, exact weights."""
+    lengths = [40]
+    q, k, v, tables, num_blocks = _case(lengths, 9, 3, 64, torch.float32, 3)
+    q = q * 300.0
+    got = _kernel(q, k, v, tables, lengths, num_blocks, 1.0)
+    assert torch.isfinite(got).all()
+    want = _torch_reference(q, k, v, tables, lengths, num_blocks, 1.0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_no_sequences_gives_an_empty_result() -> None:
+    q, k, v, tables, num_blocks = _case([5], 9, 3, 64, torch.float32, 0)
+    out = _kernel(q[:0], k, v, tables[:0], [], num_blocks, 0.125)
+    assert out.shape == (0, 9 * 64)
+
+
+@pytest.mark.parametrize(
+    ("lengths", "bad_table", "match"),
+    [
+        ([0], None, "is not in \\[1"),
+        ([40], None, "is not in \\[1"),  # 40 keys need 3 blocks, the table has 2
+        ([20], [[0, 10_000]], "block 10000 is not in"),
+        ([20], [[-1, 0]], "block -1 is not in"),
+    ],
+    ids=["empty-context", "context-past-table", "block-past-pool", "negative-block"],
+)
+def test_bad_metadata_is_refused_not_read(
+    lengths: list[int], bad_table: list[list[int]] | None, match: str
+) -> None:
+    q, k, v, _, num_blocks = _case([20], 9, 3, 64, torch.float32, 0)
+    tables = torch.tensor(bad_table if bad_table is not None else [[0, 1]], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=match):
+        _kernel(q, k, v, tables, lengths, num_blocks, 0.125)
+
+
+def test_paged_attention_uses_the_kernel_for_decodes() -> None:
+    """Through `paged_attention` with a `PagedDecodeBatch`: same rows as the padded path."""
+    lengths = [3, 40, 17]
+    q, k, v, tables, num_blocks = _case(lengths, 9, 3, 64, torch.float32, 5)
+    meta = AttentionMetadata(
+        write_rows=torch.empty(0, dtype=torch.long),
+        decodes=[],
+        prefills=[],
+        paged_decode=PagedDecodeBatch(
+            3, tables.to(torch.int32).contiguous(), torch.tensor(lengths, dtype=torch.int32)
+        ),
+    )
+    empty = q.new_empty(0, 3, 64)
+    got = paged_attention(q, empty, empty, k, v, meta, 0.125)
+    want = _torch_reference(q, k, v, tables, lengths, num_blocks, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
