@@ -23,13 +23,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"])
+    parser.add_argument("--no-fused-layer-ops", dest="fused_layer_ops", action="store_false")
     parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
     )
     args = parser.parse_args()
-    llm = LLM("SmolLM2-135M-Instruct", dtype=args.dtype, decode_attention=args.decode_attention)
+    llm = LLM(
+        "SmolLM2-135M-Instruct",
+        dtype=args.dtype,
+        decode_attention=args.decode_attention,
+        fused_layer_ops=args.fused_layer_ops,
+    )
     engine = llm.engine
-    print(f"decode attention: {'kernel' if engine.decode_kernel else 'torch'}")
+    print(
+        f"decode attention: {'kernel' if engine.decode_kernel else 'torch'}, "
+        f"fused layer ops: {engine.fused_ops}"
+    )
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(32):
         engine.add_request(str(i), [100 + (i * 7 + j) % 20000 for j in range(128)], params)

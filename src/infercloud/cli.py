@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decodes through our CPU kernel (in place, no padding) or padded groups in torch",
     )
     engine.add_argument(
+        "--no-fused-layer-ops",
+        dest="fused_layer_ops",
+        action="store_false",
+        help="keep RMSNorm, rotary embedding and SiLU * up in plain torch on the CPU",
+    )
+    engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
         default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
@@ -223,6 +229,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         host_cache_path=args.host_cache_path,
         host_cache_load=args.host_cache_load,
         decode_attention=args.decode_attention,
+        fused_layer_ops=args.fused_layer_ops,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -63,21 +63,22 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], num_tokens: int) -> list[l
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
-@pytest.mark.parametrize("decode_attention", ["kernel", "torch"])
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
 def test_tiny_model_matches_transformers(
     tiny_model_dir: Path,
     kv_cache_bytes: int,
     scheduler: SchedulerConfig,
     expect_preemption: bool,
-    decode_attention: str,
+    cpu_kernels: bool,
 ) -> None:
     llm = LLM(
         str(tiny_model_dir),
         kv_cache_bytes=kv_cache_bytes,
         scheduler=scheduler,
-        decode_attention=decode_attention,
+        decode_attention="kernel" if cpu_kernels else "torch",
+        fused_layer_ops=cpu_kernels,
     )
-    assert llm.engine.decode_kernel == (decode_attention == "kernel")
+    assert llm.engine.decode_kernel == llm.engine.fused_ops == cpu_kernels
     vocab = llm.engine.model_config.vocab_size
     prompts = varied_prompts(vocab, [1, 5, 17, 33, 48, 60])
     got = engine_greedy(llm, prompts, 24)
@@ -88,10 +89,11 @@ def test_tiny_model_matches_transformers(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("decode_attention", ["kernel", "torch"])
-def test_smollm2_matches_transformers(real_model_dir: Path, decode_attention: str) -> None:
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+def test_smollm2_matches_transformers(real_model_dir: Path, cpu_kernels: bool) -> None:
     """The real model: batching, chunked prefill and forced preemption in one run (its head
-    size, 64, takes the kernel's vectorised path; the tiny model's, 16, the generic one)."""
+    size, 64, takes the attention kernel's vectorised path; the tiny model's, 16, the generic
+    one)."""
     config = EngineConfig(
         model=str(real_model_dir),
         kv_cache_bytes=12 * 16 * 46080,  # 12 blocks of 16 tokens: forces preemption
@@ -101,7 +103,8 @@ def test_smollm2_matches_transformers(real_model_dir: Path, decode_attention: st
         config.model,
         kv_cache_bytes=config.kv_cache_bytes,
         scheduler=config.scheduler,
-        decode_attention=decode_attention,
+        decode_attention="kernel" if cpu_kernels else "torch",
+        fused_layer_ops=cpu_kernels,
     )
     texts = [
         "The capital of France is",

@@ -17,12 +17,12 @@ from infercloud.engine.attention import (
     PagedDecodeBatch,
     paged_attention,
 )
-from infercloud.engine.cpu_kernels import load_error, load_paged_decode
+from infercloud.engine.cpu_kernels import load_error, load_kernels
 
 BLOCK_SIZE = 16
 
 pytestmark = pytest.mark.skipif(
-    not load_paged_decode(), reason=f"CPU kernel unavailable: {load_error()}"
+    not load_kernels(), reason=f"CPU kernel unavailable: {load_error()}"
 )
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
     place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);
     "torch": gathered into padded groups in plain torch (any device); "auto": the kernel on the
     CPU where it builds, else torch."""
+    fused_layer_ops: bool = True
+    """On the CPU, run each layer's element-wise parts (residual add + RMSNorm, rotary
+    embedding, SiLU * up) as our fused C++ operators where they build (`cpu_kernels.py`)."""
     decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
     """With torch decode attention, decoding requests attend in groups of similar context
     length; a group costs about this many tokens of padded attention in fixed work

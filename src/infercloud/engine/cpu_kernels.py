@@ -7,8 +7,10 @@ flags and this CPU's instruction-set flags (the build uses `-march=native`, so a
 another CPU is rebuilt, not run). A build writes to a temporary file and renames it into place,
 so two processes building at once cannot load a half-written file.
 
-Where no compiler is present or the build fails, `load_paged_decode()` returns False with the
-reason in `load_error()`, and the engine keeps attention in plain torch (`attention.py`).
+The operators: `paged_decode_attention` (paged_attention.cpp) and the fused element-wise parts
+of a layer, `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul` (layer_ops.cpp).
+Where no compiler is present or the build fails, `load_kernels()` returns False with the reason
+in `load_error()`, and the engine keeps these in plain torch (`attention.py`, `llama.py`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,23 @@ from infercloud.models.registry import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-w")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+HEADERS = (CSRC / "vec_math.h",)
+CXX_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-std=c++17",
+    "-w",
+)
 """`-fopenmp` links libgomp.so.1, which resolves to the copy torch already loaded: one OpenMP
-thread pool in the process, not two contending for the cores."""
+thread pool in the process, not two contending for the cores. `-ffp-contract=off`: no fused
+multiply-adds where the source has a product and a sum, so results round as torch's separate
+element-wise ops do (the kernels' explicit FMA intrinsics are unaffected)."""
 
 _errors: list[str] = []
 
@@ -52,7 +67,7 @@ def _cpu_flags() -> str:
 def _build_key(compiler: str) -> str:
     digest = hashlib.sha256()
     for part in (
-        SOURCE.read_bytes(),
+        *(f.read_bytes() for f in (*SOURCES, *HEADERS)),
         torch.__version__.encode(),
         " ".join(CXX_FLAGS).encode(),
         compiler.encode(),
@@ -76,7 +91,7 @@ def _compile(compiler: str, out: Path) -> None:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}",
         f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        str(SOURCE),
+        *(str(f) for f in SOURCES),
         f"-L{torch_dir / 'lib'}",
         "-lc10",
         "-ltorch_cpu",
@@ -95,9 +110,9 @@ def _compile(compiler: str, out: Path) -> None:
 
 
 @functools.cache
-def load_paged_decode() -> bool:
-    """Whether `torch.ops.infercloud.paged_decode_attention` is available (building it on the
-    first call on this machine: about 10 s). Never raises; see `load_error()` on False."""
+def load_kernels() -> bool:
+    """Whether the `torch.ops.infercloud.*` operators are available (building them on the first
+    call on this machine: about 15 s). Never raises; see `load_error()` on False."""
     if os.environ.get("INFERCLOUD_CPU_KERNELS", "1") == "0":
         _errors.append("disabled by INFERCLOUD_CPU_KERNELS=0")
         return False
@@ -105,19 +120,19 @@ def load_paged_decode() -> bool:
     if compiler is None:
         _errors.append("no C++ compiler (g++ or c++) on PATH")
         return False
-    target = cache_dir() / "kernels" / _build_key(compiler) / "paged_attention.so"
+    target = cache_dir() / "kernels" / _build_key(compiler) / "infercloud_cpu_kernels.so"
     try:
         if not target.is_file():
-            log.info("building the CPU attention kernel into %s", target)
+            log.info("building the CPU kernels into %s", target)
             _compile(compiler, target)
         torch.ops.load_library(str(target))  # type: ignore[no-untyped-call]
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         _errors.append(str(exc))
-        log.warning("CPU attention kernel unavailable, attention stays in torch: %s", exc)
+        log.warning("CPU kernels unavailable, the engine stays in plain torch: %s", exc)
         return False
     return True
 
 
 def load_error() -> str | None:
-    """Why `load_paged_decode()` returned False, if it did."""
+    """Why `load_kernels()` returned False, if it did."""
     return _errors[-1] if _errors else None

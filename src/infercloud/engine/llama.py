@@ -7,6 +7,10 @@ separate tensors.
 
 The forward pass takes a flat batch of tokens from many requests (no padding) with their
 positions; only the rows named by `logits_rows` go through the vocabulary projection.
+
+With `use_fused_ops()` (CPU, once `cpu_kernels.load_kernels()` succeeded) the element-wise
+parts run as our fused operators: the residual add with the next RMSNorm, rotary embedding in
+place, SiLU(gate) * up; each rounds as the plain-torch code below does.
 """
 
 from __future__ import annotations
@@ -83,6 +87,8 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        self.fused = False
+        """Rotary embedding through `torch.ops.infercloud.rotary_embedding_` (in place)."""
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
 
@@ -101,7 +107,10 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        if self.fused:
+            torch.ops.infercloud.rotary_embedding_(q, k, positions, rotary.cos, rotary.sin)
+        else:
+            q, k = rotary(positions, q, k)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out)  # type: ignore[no-any-return]
 
@@ -110,10 +119,15 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
+        self.fused = False
+        """SiLU(gate) * up through `torch.ops.infercloud.silu_and_mul`."""
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            activated = torch.ops.infercloud.silu_and_mul(self.gate_up_proj(x))
+            return self.down_proj(activated)  # type: ignore[no-any-return]
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)  # type: ignore[no-any-return]
 
@@ -139,6 +153,15 @@ class LlamaModel(nn.Module):
         )
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         """With tied embeddings its weight is the embedding table's (`_assign` ties them)."""
+        self.fused = False
+
+    def use_fused_ops(self) -> None:
+        """Run the element-wise parts through `torch.ops.infercloud.*` (loaded by the caller)."""
+        self.fused = True
+        for layer in self.layers:
+            assert isinstance(layer, DecoderLayer)
+            layer.self_attn.fused = True
+            layer.mlp.fused = True
 
     def forward(
         self,
@@ -150,6 +173,10 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns float32 logits `[len(logits_rows), vocab_size]`."""
         hidden = self.embed_tokens(input_ids)
+        if self.fused:
+            hidden = self._layers_fused(hidden, positions, kv_caches, meta)
+            last = self.norm(hidden.index_select(0, logits_rows))
+            return self.lm_head(last).float()  # type: ignore[no-any-return]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             attn_out = layer.self_attn(
@@ -159,6 +186,32 @@ class LlamaModel(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = self.norm(hidden.index_select(0, logits_rows))
         return self.lm_head(last).float()  # type: ignore[no-any-return]
+
+    def _layers_fused(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The decoder layers with each residual add fused into the RMSNorm after it: the
+        same sums (`hidden` is updated in place, rounded as `hidden + delta` would be)."""
+        ops = torch.ops.infercloud
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            norm = layer.input_layernorm
+            if delta is None:
+                x = ops.rms_norm(hidden, norm.weight, norm.eps)
+            else:
+                x = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+            delta = layer.self_attn(x, positions, self.rotary, k_cache, v_cache, meta)
+            norm = layer.post_attention_layernorm
+            x = ops.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+            delta = layer.mlp(x)
+        if delta is not None:
+            hidden.add_(delta)
+        return hidden
 
     def load_weights(self, folder: Path) -> None:
         """Load Hugging Face safetensors (one file or an index of shards), fusing projections."""

@@ -24,7 +24,7 @@ from infercloud.cache.kv_cache_manager import KVCacheManager, SecondTier
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
 from infercloud.cache.transfer_cost import TransferCostModel, attention_pairs
 from infercloud.engine.config import EngineConfig
-from infercloud.engine.cpu_kernels import load_error, load_paged_decode
+from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
 from infercloud.engine.model_config import ModelConfig
@@ -57,10 +57,10 @@ def _use_decode_kernel(choice: str, device: str) -> bool:
     if choice == "kernel":
         if not on_cpu:
             raise ValueError(f"decode_attention='kernel' runs on the CPU only, not on {device}")
-        if not load_paged_decode():
+        if not load_kernels():
             raise RuntimeError(f"the CPU decode attention kernel is unavailable: {load_error()}")
         return True
-    return on_cpu and load_paged_decode()
+    return on_cpu and load_kernels()
 
 
 class RequestRejectedError(ValueError):
@@ -134,6 +134,9 @@ class LLMEngine:
             raise ValueError("decode_group_overhead_tokens must be >= 0")
         self.decode_kernel = _use_decode_kernel(config.decode_attention, config.device)
         """Whether decodes attend through our CPU kernel (`EngineConfig.decode_attention`)."""
+        on_cpu = torch.device(config.device).type == "cpu"
+        self.fused_ops = config.fused_layer_ops and on_cpu and load_kernels()
+        """Whether the layers' element-wise parts run as our fused CPU operators."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -167,6 +170,7 @@ class LLMEngine:
             packed_linear=config.packed_linear,
             decode_group_overhead_tokens=config.decode_group_overhead_tokens,
             decode_kernel=self.decode_kernel,
+            fused_ops=self.fused_ops,
         )
         self.second_tier = self._second_tier(config, num_blocks)
         self.kv_cache.second_tier = self.second_tier

@@ -78,9 +78,11 @@ class ModelRunner:
         packed_linear: bool = True,
         decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
         decode_kernel: bool = False,
+        fused_ops: bool = False,
     ) -> None:
-        """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`
-        (the caller has loaded it: `cpu_kernels.load_paged_decode()`); else in padded groups."""
+        """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
+        else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
+        operators (for either, the caller has loaded them: `cpu_kernels.load_kernels()`)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -96,6 +98,8 @@ class ModelRunner:
         self.model.rotary.reset_tables()
         if packed_linear and can_pack(device, dtype):
             pack_linears(self.model)
+        if fused_ops:
+            self.model.use_fused_ops()
         self.num_blocks = num_blocks
         rows = config.num_kv_heads * num_blocks
         shape = (config.num_layers, 2, rows, block_size, config.head_dim)
