@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from infercloud.engine.cpu_kernels import load_kernels
 from infercloud.engine.model_config import ModelConfig
 from infercloud.sim.calibrate import calibrate
 from infercloud.sim.fleet import Fleet
@@ -30,6 +31,11 @@ def test_calibrate_writes_a_fitted_local_cpu_entry_the_simulator_uses(
     assert result["peak_tflops"] > 0 and result["bandwidth_gbps"] > 0
     acc = HardwareCatalog.load(out)["local-cpu"]
     assert acc.efficiency is not None and "fitted to" in acc.efficiency.source
+    # the engine was served with the decode attention it has here, and the model prices that:
+    # padded groups for torch attention, each context at its own length for our CPU kernel
+    kernel = cal["decode_attention"] == "kernel"
+    assert kernel == load_kernels()
+    assert (acc.efficiency.decode_group_overhead_tokens is None) == kernel
     assert acc.price("local") is not None
     # the catalog's GPUs are still there beside it
     assert "h100-sxm" in HardwareCatalog.load(out).accelerators

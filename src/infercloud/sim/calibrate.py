@@ -185,6 +185,7 @@ def measure_steps(
     max_len: int,
     seed: int = 0,
     timeout_s: float = 300.0,
+    decode_attention: str = "auto",
 ) -> list[tuple[StepShape, float]]:
     """Serve the model with `infercloud engine --step-log`, drive the sweeps over HTTP, and
     return the logged (shape, period) of every step."""
@@ -220,6 +221,8 @@ def measure_steps(
             str(log),
             "--log-level",
             "warning",
+            "--decode-attention",
+            decode_attention,
         ]
         if threads is not None:
             cmd += ["--threads", str(threads)]
@@ -272,6 +275,7 @@ def calibrate(
 ) -> dict[str, Any]:
     import torch
 
+    from infercloud.engine.cpu_kernels import load_kernels
     from infercloud.engine.model_config import ModelConfig
     from infercloud.engine.model_runner import num_kv_blocks_for_bytes, resolve_dtype
     from infercloud.models.registry import resolve_model
@@ -290,8 +294,19 @@ def calibrate(
         config, kv_cache_bytes, block_size, torch_dtype
     )
     max_len = config.max_position_embeddings
+    # The engine's decode attention, resolved here as `infercloud engine` would and passed to it
+    # explicitly: the two agree on whether decodes are padded in groups.
+    decode_kernel = load_kernels()
+    decode_attention = "kernel" if decode_kernel else "torch"
     samples = measure_steps(
-        model, dtype, threads, kv_cache_bytes, config.vocab_size, pool_tokens, max_len
+        model,
+        dtype,
+        threads,
+        kv_cache_bytes,
+        config.vocab_size,
+        pool_tokens,
+        max_len,
+        decode_attention=decode_attention,
     )
     if samples_out is not None:
         rows = [
@@ -302,9 +317,11 @@ def calibrate(
     today = date.today().isoformat()
     source = f"measured by infercloud calibrate on {cpu_name()}, {os.cpu_count()} cores, {today}"
     device = Accelerator(LOCAL, peak, memory_gb(), bandwidth, bandwidth, bandwidth, source)
-    # the engine served as calibrated pads its decodes in groups (its default rule)
-    padded = Efficiency(decode_group_overhead_tokens=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS)
-    perf = PerfModel(spec, device, padded, dtype_bytes=dtype_bytes, block_size=block_size)
+    # With torch decode attention the engine pads its decodes in groups (its default rule);
+    # our CPU kernel reads each at its own length.
+    padding = None if decode_kernel else DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
+    start = Efficiency(decode_group_overhead_tokens=padding)
+    perf = PerfModel(spec, device, start, dtype_bytes=dtype_bytes, block_size=block_size)
     fit_source = (
         f"fitted to {len(samples)} steps of {name} ({torch_dtype}, "
         f"threads={torch.get_num_threads()}) on {today}"
@@ -323,6 +340,7 @@ def calibrate(
             "model": name,
             "dtype": str(torch_dtype).removeprefix("torch."),
             "threads": torch.get_num_threads(),
+            "decode_attention": decode_attention,
             "num_steps": len(samples),
             "median_abs_error": round(error, 4),
         },
