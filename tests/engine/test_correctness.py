@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from infercloud.engine.config import EngineConfig
+from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.llm import LLM
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import SchedulerConfig
@@ -46,6 +47,16 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], num_tokens: int) -> list[l
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
+CPU_KERNELS = [
+    pytest.param(
+        True,
+        id="cpu-kernels",
+        marks=pytest.mark.skipif(not load_kernels(), reason=f"CPU kernels: {load_error()}"),
+    ),
+    pytest.param(False, id="plain-torch"),
+]
+
+
 @pytest.mark.parametrize(
     ("kv_cache_bytes", "scheduler", "expect_preemption"),
     [
@@ -63,7 +74,7 @@ def engine_greedy(llm: LLM, prompts: list[list[int]], num_tokens: int) -> list[l
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+@pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
 def test_tiny_model_matches_transformers(
     tiny_model_dir: Path,
     kv_cache_bytes: int,
@@ -89,7 +100,7 @@ def test_tiny_model_matches_transformers(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["cpu-kernels", "plain-torch"])
+@pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
 def test_smollm2_matches_transformers(real_model_dir: Path, cpu_kernels: bool) -> None:
     """The real model: batching, chunked prefill and forced preemption in one run (its head
     size, 64, takes the attention kernel's vectorised path; the tiny model's, 16, the generic
