@@ -36,7 +36,8 @@ class DecodeBatch:
     request's table padded with block 0."""
     max_blocks: int
     bias: torch.Tensor
-    """[1, num_seqs, 1, max_blocks * block_size] float32: 0 where a key counts, -inf elsewhere."""
+    """[1, num_seqs, 1, max_blocks * block_size] in the model's dtype: 0 where a key counts,
+    -inf elsewhere."""
 
 
 @dataclass(slots=True)
@@ -60,7 +61,8 @@ class PrefillChunk:
     """[num_kv_heads * num_blocks] cache rows of the request's blocks covering tokens 0 .. end
     of this chunk."""
     bias: torch.Tensor
-    """[num_query * group, num_blocks * block_size] float32 causal bias, rows per grouped head."""
+    """[num_query * group, num_blocks * block_size] causal bias in the model's dtype, rows per
+    grouped head."""
 
 
 @dataclass(slots=True)
@@ -133,12 +135,19 @@ def paged_attention(
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """softmax(q k^T * scale + bias) v, with the softmax in float32.
+    """softmax(q k^T * scale + bias) v, all in the model's dtype; torch's softmax accumulates
+    in float32 for bfloat16 and float16 inputs and rounds its output, so the probabilities are
+    what a float32 softmax rounded to the dtype gives. The scores are the matmul's, already in
+    the dtype; scaling them by a power of two (head size 64: 1/8) and adding 0 or -inf is exact,
+    so for such head sizes this equals computing the softmax's input in float32. Staying in
+    the dtype saves three passes over float32 scores, which dominate a long prefill chunk's
+    attention after the matmuls.
 
     Written out rather than through `scaled_dot_product_attention`: for the few query rows of
-    decode, the CPU flash kernel was 2.3x slower here (672 vs 294 us for 32 sequences).
+    decode, the CPU flash kernel was 2.3x slower here (672 vs 294 us for 32 sequences), and for
+    prefill chunks inside the engine it was slower too (see docs/benchmarks.md).
     """
-    scores = torch.matmul(q, k.transpose(-1, -2)).float()
+    scores = torch.matmul(q, k.transpose(-1, -2))
     scores = torch.add(bias, scores, alpha=scale)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, v)

@@ -233,7 +233,7 @@ class ModelRunner:
             num_seqs=len(chunks),
             gather_rows=self._per_head(tables.reshape(-1), self.num_blocks).to(self.device),
             max_blocks=max_blocks,
-            bias=_bias(mask.view(1, len(chunks), 1, max_blocks * bs)).to(self.device),
+            bias=_bias(mask.view(1, len(chunks), 1, max_blocks * bs), self.dtype).to(self.device),
         )
 
     def _prefill_chunks(
@@ -254,13 +254,14 @@ class ModelRunner:
                     row_start=row_start,
                     num_query=c.num_tokens,
                     gather_rows=self._per_head(table, self.num_blocks).to(self.device),
-                    bias=_bias(mask).to(self.device),
+                    bias=_bias(mask, self.dtype).to(self.device),
                 )
             )
             row_start += c.num_tokens
         return out
 
 
-def _bias(mask: torch.Tensor) -> torch.Tensor:
-    """Additive attention bias from a bool mask: 0 where allowed, -inf where not."""
-    return torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+def _bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive attention bias from a bool mask: 0 where allowed, -inf where not (exact in any
+    floating dtype)."""
+    return torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
