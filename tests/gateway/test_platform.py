@@ -203,13 +203,14 @@ def test_a_flood_does_not_starve_a_light_tenant(
     """Tenant `flood` keeps 10x the replica's capacity outstanding (80 requests for 8 slots),
     from a process of its own (at a lower CPU priority, standing in for that tenant's own
     machines: on two cores it would otherwise take its CPU time from the platform under test);
-    tenant `light` sends one request at a time: its p99 time to first token, over 200 requests,
-    stays within 2x of its unloaded value."""
+    tenant `light` sends one request at a time: its p99 time to first token, over 300 requests
+    (the third slowest: over 200 the second slowest varied by 30% between runs), stays within 2x
+    of its unloaded value."""
     gw = gateways[1]
     flood_key = make_key(database_url, "flood")
     light_key = make_key(database_url, "light")
     light_ttfts_ms(gw.base_url, light_key, 10, 0.05)  # warm up
-    unloaded = light_ttfts_ms(gw.base_url, light_key, 200, 0.05)
+    unloaded = light_ttfts_ms(gw.base_url, light_key, 300, 0.03)
     flood = subprocess.Popen(
         [sys.executable, "-c", FLOOD, gw.base_url, flood_key, "80"],
         stdin=subprocess.PIPE,
@@ -218,7 +219,7 @@ def test_a_flood_does_not_starve_a_light_tenant(
     )
     try:
         time.sleep(2.0)  # the backlog builds up
-        loaded = light_ttfts_ms(gw.base_url, light_key, 200, 0.05)
+        loaded = light_ttfts_ms(gw.base_url, light_key, 300, 0.03)
     finally:
         flood_sent = int(flood.communicate("", timeout=120)[0] or 0)
     print(
