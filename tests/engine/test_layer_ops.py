@@ -29,10 +29,11 @@ def _norm(width: int, dtype: torch.dtype) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 7, 64])
-def test_rms_norm_matches_the_module(dtype: torch.dtype, rows: int) -> None:
-    x = _noise(rows, 576, dtype=dtype)
-    norm = _norm(576, dtype)
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (7, 576), (64, 576), (5, 40)])
+def test_rms_norm_matches_the_module(dtype: torch.dtype, rows: int, width: int) -> None:
+    """Width 40: vectors of 16 and a tail of 8."""
+    x = _noise(rows, width, dtype=dtype)
+    norm = _norm(width, dtype)
     got = ops.rms_norm(x, norm.weight, norm.eps)
     want = norm(x)
     assert got.dtype == dtype
@@ -41,10 +42,11 @@ def test_rms_norm_matches_the_module(dtype: torch.dtype, rows: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_adds_in_place_as_torch_rounds(dtype: torch.dtype) -> None:
-    residual = _noise(9, 576, dtype=dtype, seed=1)
-    delta = _noise(9, 576, dtype=dtype, seed=2)
-    norm = _norm(576, dtype)
+@pytest.mark.parametrize("width", [576, 40])
+def test_add_rms_norm_adds_in_place_as_torch_rounds(dtype: torch.dtype, width: int) -> None:
+    residual = _noise(9, width, dtype=dtype, seed=1)
+    delta = _noise(9, width, dtype=dtype, seed=2)
+    norm = _norm(width, dtype)
     summed = residual + delta
     got = ops.add_rms_norm(residual, delta, norm.weight, norm.eps)
     assert torch.equal(residual, summed)  # the residual now holds the sum, rounded alike
@@ -52,9 +54,11 @@ def test_add_rms_norm_adds_in_place_as_torch_rounds(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_equals_the_module(dtype: torch.dtype) -> None:
-    """On strided views of a fused qkv row, as the attention layer calls it: bit for bit."""
-    tokens, heads, kv_heads, head_dim = 11, 9, 3, 64
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotary_in_place_equals_the_module(dtype: torch.dtype, head_dim: int) -> None:
+    """On strided views of a fused qkv row, as the attention layer calls it: bit for bit (head
+    size 40: a vector of 16 and a tail of 4 per half)."""
+    tokens, heads, kv_heads = 11, 9, 3
     rotary = RotaryEmbedding(head_dim, 2048, 10000.0)
     qkv = _noise(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
     q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)

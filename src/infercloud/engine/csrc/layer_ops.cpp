@@ -85,8 +85,23 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width], rows dense");
 }
 
+#if defined(__AVX512F__)
+// 16 values rounded to T and read back as float32 (what a torch op producing T hands on).
+template <typename T>
+inline __m512 round16(__m512 x) {
+  alignas(64) T buf[16];
+  infercloud_vec::store16(buf, x);
+  return infercloud_vec::load16(static_cast<const T*>(buf));
+}
+template <>
+inline __m512 round16<float>(__m512 x) {
+  return x;
+}
+#endif
+
 // out = weight * round(x * rsqrt(mean(x^2) + eps)); if residual is given, first
-// residual = round(residual + x) in place and normalise that.
+// residual = round(residual + x) in place and normalise that. With AVX-512, 16 lanes at a time
+// (the sum of squares then adds in 16 partial sums: another order than one running sum).
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                    double eps, at::Tensor& out) {
@@ -96,19 +111,50 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x.data_ptr<T>() + r * x.stride(0);
       T* src = const_cast<T*>(xr);
+      T* o = out.data_ptr<T>() + r * out.stride(0);
+      int64_t i = 0;
+      float sum = 0.f;
+#if defined(__AVX512F__)
+      using namespace infercloud_vec;
+      const int64_t vec_width = width - width % 16;
       if (residual != nullptr) {
         T* res = residual->data_ptr<T>() + r * residual->stride(0);
-        for (int64_t i = 0; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
+        for (i = 0; i < vec_width; i += 16) {
+          store16(res + i, _mm512_add_ps(load16(static_cast<const T*>(res + i)), load16(xr + i)));
+        }
+        for (; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
         src = res;
       }
-      float sum = 0.f;
-      for (int64_t i = 0; i < width; ++i) {
+      __m512 sum_v = _mm512_setzero_ps();
+      for (i = 0; i < vec_width; i += 16) {
+        const __m512 v = load16(static_cast<const T*>(src + i));
+        sum_v = _mm512_add_ps(sum_v, _mm512_mul_ps(v, v));
+      }
+      sum = _mm512_reduce_add_ps(sum_v);
+      for (; i < width; ++i) {
         const float v = load(src[i]);
         sum += v * v;
       }
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
-      T* o = out.data_ptr<T>() + r * out.stride(0);
-      for (int64_t i = 0; i < width; ++i) {
+      const __m512 inv_v = _mm512_set1_ps(inv);
+      for (i = 0; i < vec_width; i += 16) {
+        const __m512 normed = round16<T>(_mm512_mul_ps(load16(static_cast<const T*>(src + i)), inv_v));
+        store16(o + i, _mm512_mul_ps(load16(w + i), normed));
+      }
+#else
+      if (residual != nullptr) {
+        T* res = residual->data_ptr<T>() + r * residual->stride(0);
+        for (i = 0; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
+        src = res;
+      }
+      for (i = 0; i < width; ++i) {
+        const float v = load(src[i]);
+        sum += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
+      i = 0;
+#endif
+      for (; i < width; ++i) {
         o[i] = store<T>(load(w[i]) * round_to<T>(load(src[i]) * inv));
       }
     }
@@ -155,7 +201,18 @@ void rotate_rows(at::Tensor& x, const int64_t* positions, const at::Tensor& cos,
       const float* s = sin_p + positions[t] * half;
       for (int64_t h = 0; h < heads; ++h) {
         T* row = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
-        for (int64_t i = 0; i < half; ++i) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        using namespace infercloud_vec;
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(static_cast<const T*>(row + i));
+          const __m512 x2 = load16(static_cast<const T*>(row + i + half));
+          const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+          store16(row + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+          store16(row + i + half, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+        }
+#endif
+        for (; i < half; ++i) {
           const float x1 = load(row[i]), x2 = load(row[i + half]);
           const float a = x1 * c[i], b = x2 * s[i], d = x2 * c[i], e = x1 * s[i];
           row[i] = store<T>(a - b);

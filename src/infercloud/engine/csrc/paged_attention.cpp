@@ -77,6 +77,14 @@ inline float exp_and_inv_sum(float* s, int64_t count) {
   return 1.0f / _mm512_reduce_add_ps(sum_v);
 }
 
+// Blocks are scattered over the pool, so the hardware prefetcher, which follows sequential
+// streams, stalls at every block boundary. The K pass asks for the key block this many blocks
+// ahead and for the value block it will need in the V pass (a task's keys and values, ~40 KB at
+// 160 tokens, stay in L2). Measured on 30 layers of 32 sequences at 160 tokens, blocks scattered
+// over a 1 GiB pool: 13.5 ms per step without, 6.7 ms with (2, 4 or 8 ahead alike); inside the
+// engine 187 -> 126 us per layer.
+constexpr int64_t kPrefetchBlocks = 4;
+
 // head_dim = 16 * ND, known at compile time so that a row lives in ND registers.
 template <typename T, int ND>
 void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* v_ptr,
@@ -85,10 +93,25 @@ void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* 
   const int64_t bs = shape.block_size;
   const int64_t block_stride = bs * 16 * ND;
   const int64_t used_blocks = (task.ctx + bs - 1) / bs;
+  const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+  auto block_of = [&](const T* base, int64_t b) {
+    return base + (task.kv_head * shape.num_blocks + task.table[b]) * block_stride;
+  };
+  auto prefetch_block = [&](const T* base, int64_t b) {
+    if (b >= used_blocks) return;
+    const char* p = reinterpret_cast<const char*>(block_of(base, b));
+    // asm volatile: GCC 12 drops a loop of _mm_prefetch calls behind the bounds check above.
+    for (int64_t off = 0; off < block_bytes; off += 64) {
+      asm volatile("prefetcht0 %0" : : "m"(*(p + off)));
+    }
+  };
+  for (int64_t b = 0; b < kPrefetchBlocks; ++b) prefetch_block(k_ptr, b);
   for (int64_t b = 0; b < used_blocks; ++b) {
+    prefetch_block(k_ptr, b + kPrefetchBlocks);
+    prefetch_block(v_ptr, b);
     const int64_t first = b * bs;
     const int64_t count = std::min(bs, task.ctx - first);
-    const T* kb = k_ptr + (task.kv_head * shape.num_blocks + task.table[b]) * block_stride;
+    const T* kb = block_of(k_ptr, b);
     for (int64_t t = 0; t < count; ++t) {
       __m512 k[ND];
       for (int j = 0; j < ND; ++j) k[j] = load16(kb + t * 16 * ND + 16 * j);
@@ -108,7 +131,7 @@ void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* 
   for (int64_t b = 0; b < used_blocks; ++b) {
     const int64_t first = b * bs;
     const int64_t count = std::min(bs, task.ctx - first);
-    const T* vb = v_ptr + (task.kv_head * shape.num_blocks + task.table[b]) * block_stride;
+    const T* vb = block_of(v_ptr, b);
     for (int64_t t = 0; t < count; ++t) {
       __m512 v[ND];
       for (int j = 0; j < ND; ++j) v[j] = load16(vb + t * 16 * ND + 16 * j);
