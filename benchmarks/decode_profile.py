@@ -3,7 +3,7 @@
 Prefills all requests, then runs 10 decode steps under cProfile and prints where time goes.
 
     .venv/bin/python benchmarks/decode_profile.py [--dtype bfloat16] [--decode-attention torch]
-        [--torch-profiler]
+        [--linear-kernel onednn] [--torch-profiler]
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"])
     parser.add_argument("--no-fused-layer-ops", dest="fused_layer_ops", action="store_false")
+    parser.add_argument("--linear-kernel", default="auto", choices=["auto", "kernel", "onednn"])
     parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
     )
@@ -33,11 +34,12 @@ def main() -> None:
         dtype=args.dtype,
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
+        linear_kernel=args.linear_kernel,
     )
     engine = llm.engine
     print(
         f"decode attention: {'kernel' if engine.decode_kernel else 'torch'}, "
-        f"fused layer ops: {engine.fused_ops}"
+        f"fused layer ops: {engine.fused_ops}, linear kernel: {engine.linear_kernel}"
     )
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(32):

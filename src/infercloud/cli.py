@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decodes through our CPU kernel (in place, no padding) or padded groups in torch",
     )
     engine.add_argument(
+        "--linear-kernel",
+        default="auto",
+        choices=["auto", "kernel", "onednn"],
+        help="linear layers through our bfloat16 GEMM (AVX512-BF16 CPUs) or oneDNN",
+    )
+    engine.add_argument(
         "--no-fused-layer-ops",
         dest="fused_layer_ops",
         action="store_false",
@@ -231,6 +237,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         host_cache_load=args.host_cache_load,
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
+        linear_kernel=args.linear_kernel,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -246,7 +253,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}) on http://{args.host}:{args.port}",
+        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: "
+        f"{'kernel' if llm.linear_kernel else 'oneDNN'}) on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

@@ -36,6 +36,10 @@ class EngineConfig:
     "always": load every host hit."""
     packed_linear: bool = True
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
+    linear_kernel: str = "auto"
+    """How linear layers multiply on the CPU: "kernel": our bfloat16 GEMM (`csrc/linear_bf16.cpp`;
+    bfloat16 weights, AVX512-BF16; fails at start where it cannot run); "onednn": oneDNN, packed
+    as `packed_linear` says; "auto": ours where it can run, else oneDNN."""
     decode_attention: str = "auto"
     """How decoding requests attend: "kernel": our C++ kernel reads each request's blocks in
     place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);

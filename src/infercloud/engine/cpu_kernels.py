@@ -32,7 +32,7 @@ from infercloud.models.registry import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp")
+SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "linear_bf16.cpp")
 HEADERS = (CSRC / "vec_math.h",)
 CXX_FLAGS = (
     "-O3",

@@ -63,6 +63,25 @@ def _use_decode_kernel(choice: str, device: str) -> bool:
     return on_cpu and load_kernels()
 
 
+def _use_linear_kernel(choice: str, device: str, dtype: torch.dtype) -> bool:
+    """Resolve `EngineConfig.linear_kernel` for `device` and `dtype` (building the kernels if
+    needed)."""
+    if choice not in ("auto", "kernel", "onednn"):
+        raise ValueError(f"linear_kernel must be auto, kernel or onednn, got {choice!r}")
+    if choice == "onednn":
+        return False
+    usable = (
+        torch.device(device).type == "cpu"
+        and dtype == torch.bfloat16
+        and load_kernels()
+        and bool(torch.ops.infercloud.has_linear_bf16())
+    )
+    if choice == "kernel" and not usable:
+        why = load_error() or "it needs bfloat16 weights on a CPU with AVX512-BF16"
+        raise RuntimeError(f"the CPU linear kernel is unavailable here: {why}")
+    return usable
+
+
 class RequestRejectedError(ValueError):
     """A request the engine cannot take; the message is meant for the client.
 
@@ -137,6 +156,8 @@ class LLMEngine:
         on_cpu = torch.device(config.device).type == "cpu"
         self.fused_ops = config.fused_layer_ops and on_cpu and load_kernels()
         """Whether the layers' element-wise parts run as our fused CPU operators."""
+        self.linear_kernel = _use_linear_kernel(config.linear_kernel, config.device, dtype)
+        """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -168,6 +189,7 @@ class LLMEngine:
             torch.device(config.device),
             seed=config.seed,
             packed_linear=config.packed_linear,
+            linear_kernel=self.linear_kernel,
             decode_group_overhead_tokens=config.decode_group_overhead_tokens,
             decode_kernel=self.decode_kernel,
             fused_ops=self.fused_ops,

@@ -76,13 +76,16 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         packed_linear: bool = True,
+        linear_kernel: bool = False,
         decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
         decode_kernel: bool = False,
         fused_ops: bool = False,
     ) -> None:
         """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
-        operators (for either, the caller has loaded them: `cpu_kernels.load_kernels()`)."""
+        operators; `linear_kernel`: linear layers through our bfloat16 GEMM, else oneDNN's where
+        `packed_linear` (for any of these, the caller has loaded the kernels:
+        `cpu_kernels.load_kernels()`)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -96,7 +99,9 @@ class ModelRunner:
         self.model = model.to(dtype=dtype).eval()
         # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
         self.model.rotary.reset_tables()
-        if packed_linear and can_pack(device, dtype):
+        if linear_kernel:
+            pack_linears(self.model, kernel=True)
+        elif packed_linear and can_pack(device, dtype):
             pack_linears(self.model)
         if fused_ops:
             self.model.use_fused_ops()

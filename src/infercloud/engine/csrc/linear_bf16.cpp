@@ -1,0 +1,197 @@
+// y = x W^T for bfloat16 x and W on CPUs with AVX512-BF16 (vdpbf16ps), W packed once.
+//
+// Packed layout: W [N, K] becomes [ceil(N/16)][ceil(K/2)][16][2] bfloat16: one 64-byte vector
+// holds two consecutive k of 16 consecutive output columns, the operand vdpbf16ps takes; the
+// columns past N and the k past K are zero. A column tile's weights are one contiguous run of
+// ceil(K/2) * 64 bytes, read front to back.
+//
+// Kernel: MR rows of x by NR column tiles (16 columns each) accumulate in MR * NR float32
+// vectors; each k pair costs NR weight loads, MR broadcasts of two x values and MR * NR
+// vdpbf16ps. A thread takes whole groups of NR tiles (the work is split over N), and runs every
+// MR-row block of x over a group's weights, so that those come from memory once and from L2 for
+// the other row blocks. Results are rounded to bfloat16 once, at the end (round to nearest
+// even), as oneDNN's bfloat16 GEMM does; the float32 sums run in another order than oneDNN's,
+// so the last bit of an output can differ from F.linear's.
+//
+// Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, has_linear_bf16}; built
+// and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16, has_linear_bf16() is false and
+// the other two refuse.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include "vec_math.h"
+#endif
+
+namespace {
+
+constexpr int64_t kTile = 16;  // output columns per vector
+constexpr int64_t kNR = 3;     // column tiles per group
+constexpr int64_t kMR = 8;     // rows of x per block
+
+bool has_linear_bf16() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_linear_bf16(const at::Tensor& weight) {
+  TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack_linear_bf16: weight must be bfloat16 [out_features, in_features]");
+  const at::Tensor w = weight.contiguous();
+  const int64_t n = w.size(0), k = w.size(1);
+  const int64_t tiles = (n + kTile - 1) / kTile, pairs = (k + 1) / 2;
+  at::Tensor packed = at::zeros({tiles, pairs, kTile, 2}, w.options());
+  const c10::BFloat16* src = w.data_ptr<c10::BFloat16>();
+  c10::BFloat16* dst = packed.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t j = 0; j < kTile && t * kTile + j < n; ++j) {
+        const c10::BFloat16* row = src + (t * kTile + j) * k;
+        for (int64_t kk = 0; kk < k; ++kk) {
+          dst[((t * pairs + kk / 2) * kTile + j) * 2 + kk % 2] = row[kk];
+        }
+      }
+    }
+  });
+  return packed;
+}
+
+#if defined(__AVX512BF16__)
+// rows x [MR, K] (row stride ldx, in elements) by NR tiles of packed weights -> y [MR, NR*16].
+template <int MR, int NR>
+inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
+                         const c10::BFloat16* w_tiles, int64_t tile_stride, c10::BFloat16* y,
+                         int64_t ldy, int64_t valid_cols) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
+  const int64_t full_pairs = k / 2;
+  const int32_t* xp[MR];
+  for (int m = 0; m < MR; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
+  for (int64_t p = 0; p < full_pairs; ++p) {
+    __m512bh w[NR];
+    for (int t = 0; t < NR; ++t) {
+      w[t] = reinterpret_cast<__m512bh>(
+          _mm512_loadu_si512(reinterpret_cast<const void*>(w_tiles + t * tile_stride + p * 32)));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[m][p]));
+      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, w[t]);
+    }
+  }
+  if (k % 2 != 0) {  // the last k alone: pair it with a zero (the packed weight is zero there)
+    const int64_t p = full_pairs;
+    __m512bh w[NR];
+    for (int t = 0; t < NR; ++t) {
+      w[t] = reinterpret_cast<__m512bh>(
+          _mm512_loadu_si512(reinterpret_cast<const void*>(w_tiles + t * tile_stride + p * 32)));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int32_t lone = static_cast<int32_t>(x[m * ldx + k - 1].x);
+      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(lone));
+      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, w[t]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < NR; ++t) {
+      const int64_t col = t * kTile;
+      if (col + kTile <= valid_cols) {
+        infercloud_vec::store16(y + m * ldy + col, acc[m][t]);
+      } else if (col < valid_cols) {
+        alignas(64) c10::BFloat16 buf[kTile];
+        infercloud_vec::store16(buf, acc[m][t]);
+        for (int64_t j = 0; j < valid_cols - col; ++j) y[m * ldy + col + j] = buf[j];
+      }
+    }
+  }
+}
+
+template <int NR>
+void rows_by_tiles(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
+                   const c10::BFloat16* w_tiles, int64_t tile_stride, c10::BFloat16* y,
+                   int64_t ldy, int64_t valid_cols) {
+  int64_t r = 0;
+  for (; r + kMR <= rows; r += kMR) {
+    micro_kernel<kMR, NR>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
+                          valid_cols);
+  }
+  const c10::BFloat16* xr = x + r * ldx;
+  c10::BFloat16* yr = y + r * ldy;
+  switch (rows - r) {
+    case 0: break;
+    case 1: micro_kernel<1, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 2: micro_kernel<2, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 3: micro_kernel<3, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 4: micro_kernel<4, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 5: micro_kernel<5, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 6: micro_kernel<6, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    default: micro_kernel<7, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+  }
+}
+#endif  // __AVX512BF16__
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+  TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "linear_bf16: x must be bfloat16 [rows, in_features], rows dense");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
+                  packed.is_contiguous() && packed.size(2) == kTile && packed.size(3) == 2,
+              "linear_bf16: packed must come from pack_linear_bf16");
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t tiles = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(pairs == (k + 1) / 2, "linear_bf16: in_features of x and the weight differ");
+  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
+              "linear_bf16: out_features does not match the packed weight");
+  at::Tensor y = at::empty({rows, out_features}, x.options());
+  if (rows == 0) return y;
+#if defined(__AVX512BF16__)
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
+  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
+  const int64_t ldx = x.stride(0), tile_stride = pairs * 32;
+  const int64_t groups = (tiles + kNR - 1) / kNR;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first_tile = g * kNR;
+      const int64_t nr = std::min(kNR, tiles - first_tile);
+      const int64_t col = first_tile * kTile;
+      const int64_t valid = std::min(nr * kTile, out_features - col);
+      const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
+      if (nr == 3) {
+        rows_by_tiles<3>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      } else if (nr == 2) {
+        rows_by_tiles<2>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      } else {
+        rows_by_tiles<1>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      }
+    }
+  });
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infercloud, m) {
+  m.def("has_linear_bf16() -> bool", &has_linear_bf16);
+  m.def("pack_linear_bf16(Tensor weight) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
+  m.impl("pack_linear_bf16", &pack_linear_bf16);
+  m.impl("linear_bf16", &linear_bf16);
+}
+

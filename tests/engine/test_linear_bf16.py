@@ -1,0 +1,61 @@
+"""Our bfloat16 GEMM (`torch.ops.infercloud.linear_bf16`) against float32 arithmetic on the same
+bfloat16 inputs: each output is the float32 sum rounded once to bfloat16, so it may differ from
+the exactly rounded value by one unit in the last place (the float32 sum runs in another
+order), never by more."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infercloud.engine.cpu_kernels import load_error, load_kernels
+from infercloud.engine.packed_linear import KernelLinear
+
+ops = torch.ops.infercloud
+pytestmark = pytest.mark.skipif(
+    not (load_kernels() and ops.has_linear_bf16()),
+    reason=f"no AVX512-BF16 linear kernel here: {load_error() or 'CPU without AVX512-BF16'}",
+)
+
+
+def _bf16(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [(1, 960, 576), (7, 576, 576), (32, 3072, 576), (32, 576, 1536), (13, 50, 37), (513, 48, 64)],
+)
+def test_matches_float32_arithmetic_to_one_ulp(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    """Row counts below, at and past the 8-row blocks; odd in_features (a lone last k);
+    out_features off the 16-column tiles (50) and off the 3-tile groups (48)."""
+    x = _bf16(rows, in_features, seed=1)
+    w = _bf16(out_features, in_features, seed=2) * 0.05
+    got = ops.linear_bf16(x, ops.pack_linear_bf16(w), out_features)
+    exact = F.linear(x.double(), w.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-30)
+    assert bool(((got.double() - exact).abs() <= ulp + 1e-6).all())
+
+
+def test_module_keeps_leading_dimensions() -> None:
+    w = _bf16(64, 32, seed=3)
+    layer = KernelLinear(w)
+    x = _bf16(2, 5, 32, seed=4)
+    want = F.linear(x.float(), w.float())
+    torch.testing.assert_close(layer(x).float(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_bad_input_is_refused() -> None:
+    packed = ops.pack_linear_bf16(_bf16(32, 16, seed=5))
+    with pytest.raises(RuntimeError, match="in_features"):
+        ops.linear_bf16(_bf16(4, 18, seed=6), packed, 32)
+    with pytest.raises(RuntimeError, match="out_features"):
+        ops.linear_bf16(_bf16(4, 16, seed=6), packed, 64)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.linear_bf16(torch.ones(4, 16), packed, 32)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        ops.pack_linear_bf16(torch.ones(4, 16))
