@@ -175,7 +175,7 @@ import asyncio, os, sys, threading
 import httpx
 os.nice(10)  # another tenant's machines: on this small box, not the platform's CPU time
 url, key, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
-body = {"model": "tiny", "prompt": "flood " * 20, "max_tokens": 32}
+body = {"model": "tiny", "prompt": "flood " * 20, "max_tokens": 128}
 stop = threading.Event()
 threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
 async def main():
@@ -205,7 +205,15 @@ def test_a_flood_does_not_starve_a_light_tenant(
     machines: on two cores it would otherwise take its CPU time from the platform under test);
     tenant `light` sends one request at a time: its p99 time to first token, over 300 requests
     (the third slowest: over 200 the second slowest varied by 30% between runs), stays within 2x
-    of its unloaded value."""
+    of its unloaded value.
+
+    The flood's requests ask for 128 tokens. With 32, the tiny replica finished about 250 of
+    them a second, and its HTTP thread, which shares the GIL with the engine loop, then added
+    5-15 ms to some of the light tenant's requests between the gateway's upstream call and the
+    first token (timed stage by stage), while the gateway's own stages (authentication, limits,
+    fair queueing) stayed under 1 ms at the median; the test failed one run in four. That tail
+    belongs to the engine server's design (docs/benchmarks.md, issue 4), not to fair queueing,
+    which this test is about."""
     gw = gateways[1]
     flood_key = make_key(database_url, "flood")
     light_key = make_key(database_url, "light")
