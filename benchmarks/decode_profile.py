@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--decode-attention", default="auto", choices=["auto", "kernel", "torch"])
     parser.add_argument("--no-fused-layer-ops", dest="fused_layer_ops", action="store_false")
     parser.add_argument("--linear-kernel", default="auto", choices=["auto", "kernel", "onednn"])
+    parser.add_argument("--prefill-attention", default="auto", choices=["auto", "kernel", "torch"])
     parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
     )
@@ -35,6 +36,7 @@ def main() -> None:
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
         linear_kernel=args.linear_kernel,
+        prefill_attention=args.prefill_attention,
     )
     engine = llm.engine
     print(

@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="decodes through our CPU kernel (in place, no padding) or padded groups in torch",
     )
     engine.add_argument(
+        "--prefill-attention",
+        default="auto",
+        choices=["auto", "kernel", "torch"],
+        help="prefill chunks through our CPU kernel (bfloat16, AVX512-BF16) or torch matmuls",
+    )
+    engine.add_argument(
         "--linear-kernel",
         default="auto",
         choices=["auto", "kernel", "onednn"],
@@ -238,6 +244,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
         linear_kernel=args.linear_kernel,
+        prefill_attention=args.prefill_attention,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
         scheduler=SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens,

@@ -13,7 +13,9 @@ Queries are grouped as the model runner lays them out: all single-token (decode)
 then each multi-token chunk (prefill) with its own causal bias. Decodes take one of two paths:
 on the CPU, where our kernel builds (`cpu_kernels.py`), one call reads every sequence's blocks
 in place, each at its own length (`PagedDecodeBatch`); elsewhere they are gathered into padded
-batches of similar context length (`decode_groups`), each batched into one call.
+batches of similar context length (`decode_groups`), each batched into one call. Prefill chunks
+in bfloat16 on CPUs with AVX512-BF16 go through our prefill kernel in one call
+(`PagedPrefillBatch`); elsewhere each is gathered and attends through matmuls.
 Grouped-query attention needs no copies of the KV heads: the query heads that share a KV head
 are folded into the query-length axis.
 """
@@ -52,6 +54,20 @@ class PagedDecodeBatch:
 
 
 @dataclass(slots=True)
+class PagedPrefillBatch:
+    """Every prefill chunk of the step, in rows `row_start ..`, for the CPU prefill kernel."""
+
+    row_start: int
+    num_rows: int
+    block_tables: torch.Tensor
+    """int32 [num_chunks, max_blocks]: each chunk's request's blocks (up to the chunk's end)."""
+    starts: torch.Tensor
+    """int32 [num_chunks]: position of each chunk's first token."""
+    lens: torch.Tensor
+    """int32 [num_chunks]: tokens of each chunk, in row order."""
+
+
+@dataclass(slots=True)
 class PrefillChunk:
     """A chunk of `num_query` tokens in rows `row_start ..` over the request's first blocks."""
 
@@ -74,6 +90,8 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     paged_decode: PagedDecodeBatch | None = None
     """Set instead of `decodes` when the CPU kernel serves the decodes."""
+    paged_prefill: PagedPrefillBatch | None = None
+    """Set instead of `prefills` when the CPU prefill kernel serves the chunks."""
 
 
 def paged_attention(
@@ -117,6 +135,21 @@ def paged_attention(
         qd = q[rows].view(n, num_kv_heads, group, head_dim).transpose(0, 1)
         od = _attend(qd, kd, vd, decode.bias, scale)  # [Hkv, n, group, D]
         out[rows] = od.transpose(0, 1).reshape(n, num_heads * head_dim)
+
+    prefill = meta.paged_prefill
+    if prefill is not None:
+        num_blocks = k_cache.shape[0] // num_kv_heads
+        rows = slice(prefill.row_start, prefill.row_start + prefill.num_rows)
+        out[rows] = torch.ops.infercloud.paged_prefill_attention(
+            q[rows].contiguous(),
+            k_cache,
+            v_cache,
+            prefill.block_tables,
+            prefill.starts,
+            prefill.lens,
+            scale,
+            num_blocks,
+        )
 
     for chunk in meta.prefills:
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_query)

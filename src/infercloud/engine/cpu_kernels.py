@@ -32,8 +32,13 @@ from infercloud.models.registry import cache_dir
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention.cpp", CSRC / "layer_ops.cpp", CSRC / "linear_bf16.cpp")
-HEADERS = (CSRC / "vec_math.h",)
+SOURCES = (
+    CSRC / "paged_attention.cpp",
+    CSRC / "layer_ops.cpp",
+    CSRC / "linear_bf16.cpp",
+    CSRC / "prefill_attention.cpp",
+)
+HEADERS = (CSRC / "vec_math.h", CSRC / "bf16_dot.h")
 CXX_FLAGS = (
     "-O3",
     "-march=native",

@@ -63,12 +63,14 @@ def _use_decode_kernel(choice: str, device: str) -> bool:
     return on_cpu and load_kernels()
 
 
-def _use_linear_kernel(choice: str, device: str, dtype: torch.dtype) -> bool:
-    """Resolve `EngineConfig.linear_kernel` for `device` and `dtype` (building the kernels if
-    needed)."""
-    if choice not in ("auto", "kernel", "onednn"):
-        raise ValueError(f"linear_kernel must be auto, kernel or onednn, got {choice!r}")
-    if choice == "onednn":
+def _use_bf16_kernel(
+    what: str, choice: str, choices: tuple[str, str, str], device: str, dtype: torch.dtype
+) -> bool:
+    """Resolve a choice among ("auto", "kernel", <the other path>) for one of our AVX512-BF16
+    kernels (`EngineConfig.linear_kernel`, `prefill_attention`), building them if needed."""
+    if choice not in choices:
+        raise ValueError(f"{what} must be one of {', '.join(choices)}, got {choice!r}")
+    if choice not in ("auto", "kernel"):
         return False
     usable = (
         torch.device(device).type == "cpu"
@@ -77,8 +79,8 @@ def _use_linear_kernel(choice: str, device: str, dtype: torch.dtype) -> bool:
         and bool(torch.ops.infercloud.has_linear_bf16())
     )
     if choice == "kernel" and not usable:
-        why = load_error() or "it needs bfloat16 weights on a CPU with AVX512-BF16"
-        raise RuntimeError(f"the CPU linear kernel is unavailable here: {why}")
+        why = load_error() or "it needs bfloat16 on a CPU with AVX512-BF16"
+        raise RuntimeError(f"{what}='kernel' is unavailable here: {why}")
     return usable
 
 
@@ -156,8 +158,22 @@ class LLMEngine:
         on_cpu = torch.device(config.device).type == "cpu"
         self.fused_ops = config.fused_layer_ops and on_cpu and load_kernels()
         """Whether the layers' element-wise parts run as our fused CPU operators."""
-        self.linear_kernel = _use_linear_kernel(config.linear_kernel, config.device, dtype)
+        self.linear_kernel = _use_bf16_kernel(
+            "linear_kernel",
+            config.linear_kernel,
+            ("auto", "kernel", "onednn"),
+            config.device,
+            dtype,
+        )
         """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
+        self.prefill_kernel = _use_bf16_kernel(
+            "prefill_attention",
+            config.prefill_attention,
+            ("auto", "kernel", "torch"),
+            config.device,
+            dtype,
+        )
+        """Whether prefill chunks attend through our CPU kernel (else through matmuls)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -190,6 +206,7 @@ class LLMEngine:
             seed=config.seed,
             packed_linear=config.packed_linear,
             linear_kernel=self.linear_kernel,
+            prefill_kernel=self.prefill_kernel,
             decode_group_overhead_tokens=config.decode_group_overhead_tokens,
             decode_kernel=self.decode_kernel,
             fused_ops=self.fused_ops,

@@ -20,6 +20,7 @@ from infercloud.engine.attention import (
     AttentionMetadata,
     DecodeBatch,
     PagedDecodeBatch,
+    PagedPrefillBatch,
     PrefillChunk,
 )
 from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
@@ -77,13 +78,16 @@ class ModelRunner:
         seed: int = 0,
         packed_linear: bool = True,
         linear_kernel: bool = False,
+        prefill_kernel: bool = False,
         decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
         decode_kernel: bool = False,
         fused_ops: bool = False,
     ) -> None:
         """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
-        operators; `linear_kernel`: linear layers through our bfloat16 GEMM, else oneDNN's where
+        operators; `prefill_kernel`: prefill chunks through
+        `torch.ops.infercloud.paged_prefill_attention`, else gathered and through matmuls;
+        `linear_kernel`: linear layers through our bfloat16 GEMM, else oneDNN's where
         `packed_linear` (for any of these, the caller has loaded the kernels:
         `cpu_kernels.load_kernels()`)."""
         if device.type == "cpu":
@@ -115,6 +119,7 @@ class ModelRunner:
         self.group = config.num_heads // config.num_kv_heads
         self.decode_group_overhead_tokens = decode_group_overhead_tokens
         self.decode_kernel = decode_kernel
+        self.prefill_kernel = prefill_kernel
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
 
@@ -157,8 +162,13 @@ class ModelRunner:
         meta = AttentionMetadata(
             write_rows=self._per_head(slots, self.num_blocks * bs).to(self.device),
             decodes=[] if paged else self._decode_batches(decodes, kv_cache),
-            prefills=self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
+            prefills=[]
+            if self.prefill_kernel
+            else self._prefill_chunks(prefills, kv_cache, row_start=len(decodes)),
             paged_decode=self._paged_decode(decodes, kv_cache) if paged else None,
+            paged_prefill=self._paged_prefill(prefills, kv_cache, len(decodes))
+            if self.prefill_kernel and prefills
+            else None,
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
@@ -239,6 +249,25 @@ class ModelRunner:
             gather_rows=self._per_head(tables.reshape(-1), self.num_blocks).to(self.device),
             max_blocks=max_blocks,
             bias=_bias(mask.view(1, len(chunks), 1, max_blocks * bs), self.dtype).to(self.device),
+        )
+
+    def _paged_prefill(
+        self, chunks: list[ScheduledChunk], kv_cache: KVCacheManager, row_start: int
+    ) -> PagedPrefillBatch:
+        """Every prefill chunk in one call of the kernel, over its request's blocks."""
+        bs = self.block_size
+        ends = [c.start + c.num_tokens for c in chunks]
+        max_blocks = -(-max(ends) // bs)
+        rows = []
+        for c, end in zip(chunks, ends, strict=True):
+            table = kv_cache.block_table(c.request.request_id)[: -(-end // bs)]
+            rows.append(table + [0] * (max_blocks - len(table)))
+        return PagedPrefillBatch(
+            row_start=row_start,
+            num_rows=sum(c.num_tokens for c in chunks),
+            block_tables=torch.tensor(rows, dtype=torch.int32),
+            starts=torch.tensor([c.start for c in chunks], dtype=torch.int32),
+            lens=torch.tensor([c.num_tokens for c in chunks], dtype=torch.int32),
         )
 
     def _prefill_chunks(

@@ -28,6 +28,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
+#include "bf16_dot.h"
 #include "vec_math.h"
 #endif
 
@@ -83,20 +84,7 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
   const int64_t full_pairs = k / 2;
-  const int32_t* xp[MR];
-  for (int m = 0; m < MR; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
-  for (int64_t p = 0; p < full_pairs; ++p) {
-    __m512bh w[NR];
-    for (int t = 0; t < NR; ++t) {
-      const c10::BFloat16* wt = w_tiles + t * tile_stride + p * 32;
-      __builtin_prefetch(wt + kPrefetchPairs * 32, 0, 3);
-      w[t] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(wt)));
-    }
-    for (int m = 0; m < MR; ++m) {
-      const __m512bh a = reinterpret_cast<__m512bh>(_mm512_set1_epi32(xp[m][p]));
-      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, w[t]);
-    }
-  }
+  infercloud_vec::dot_pairs<MR, NR>(x, ldx, full_pairs, w_tiles, tile_stride, kPrefetchPairs, acc);
   if (k % 2 != 0) {  // the last k alone: pair it with a zero (the packed weight is zero there)
     const int64_t p = full_pairs;
     __m512bh w[NR];

@@ -1,0 +1,321 @@
+// Causal attention of prefill chunks over the paged KV cache, bfloat16, for CPUs with
+// AVX512-BF16: the scores and the weighted sum of values as two small matrix products with
+// vdpbf16ps (bf16_dot.h), no gather into a padded copy, no mask tensor.
+//
+// A chunk is `len` query tokens at positions start .. start + len - 1 of one request, whose
+// keys and values (those of the chunk included, already written) sit in the blocks of its
+// table row. Per (chunk, KV head): the keys are packed once as 16-key column tiles (K^T) and
+// the values as 16-dimension tiles (V^T, key pairs along k), then every block of 8 query rows
+// (token-major, the group's query heads adjacent) computes float32 scores against the keys up
+// to its last row's position, scales them, masks the future, takes a float32 softmax, rounds
+// the probabilities to bfloat16 (as the plain-torch path, whose softmax outputs bfloat16) and
+// multiplies them with the values; the output is rounded to bfloat16 once.
+//
+// Registered as torch.ops.infercloud.paged_prefill_attention; built and loaded by
+// cpu_kernels.py; refuses to run without AVX512-BF16 (the engine then keeps the torch path).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include "bf16_dot.h"
+#include "vec_math.h"
+#endif
+
+namespace {
+
+#if defined(__AVX512BF16__)
+using Bf16 = c10::BFloat16;
+constexpr int kRows = 8;  // query rows per block
+
+struct Chunk {
+  int64_t row_start, start, len;  // first row in q, first position, tokens
+  const int32_t* table;
+};
+
+// Packs this (chunk, head)'s `ctx` keys as K^T tiles [ceil(ctx/16)][head_dim/2][16][2] and values
+// as V^T tiles [head_dim/16][ceil(ctx/2)][16][2]; padding is zero.
+void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int64_t ctx,
+             int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t head_dim,
+             Bf16* k_tiles, Bf16* v_tiles) {
+  const int64_t key_tiles = (ctx + 15) / 16, dim_pairs = head_dim / 2;
+  const int64_t key_pairs = (ctx + 1) / 2, dim_tiles = head_dim / 16;
+  std::fill(k_tiles, k_tiles + key_tiles * dim_pairs * 32, Bf16(0.0f));
+  (void)dim_tiles;
+  auto key_row = [&](int64_t t) {
+    return (kv_head * num_blocks + table[t / block_size]) * block_size + t % block_size;
+  };
+  int64_t t = 0;
+  if (block_size % 16 == 0) {
+    // A 16-key tile lies in one block, rows head_dim apart: gather each dimension pair's 16
+    // 32-bit (k, k + 1) values across the tile's keys.
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                                6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(static_cast<int>(dim_pairs)));
+    for (; t + 16 <= ctx; t += 16) {
+      const int32_t* base = reinterpret_cast<const int32_t*>(k_cache + key_row(t) * head_dim);
+      Bf16* kt = k_tiles + (t / 16) * dim_pairs * 32;
+      for (int64_t p = 0; p < dim_pairs; ++p) {
+        _mm512_storeu_si512(kt + p * 32, _mm512_i32gather_epi32(offsets, base + p, 4));
+      }
+    }
+  }
+  for (; t < ctx; ++t) {
+    const Bf16* kr = k_cache + key_row(t) * head_dim;
+    Bf16* kt = k_tiles + (t / 16) * dim_pairs * 32 + (t % 16) * 2;
+    for (int64_t d = 0; d < head_dim; ++d) kt[(d / 2) * 32 + d % 2] = kr[d];
+  }
+  // Values: for each key pair and 16 dimensions, the two keys' values interleaved.
+  for (int64_t pair = 0; pair < key_pairs; ++pair) {
+    const int64_t t0 = 2 * pair, t1 = t0 + 1;
+    const Bf16* v0 = v_cache + key_row(t0) * head_dim;
+    const Bf16* v1 = t1 < ctx ? v_cache + key_row(t1) * head_dim : nullptr;
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)));
+      const __m512i hi =
+          v1 == nullptr ? _mm512_setzero_si512()
+                        : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                reinterpret_cast<const __m256i*>(v1 + d))),
+                                            16);
+      _mm512_storeu_si512(v_tiles + (d / 16) * key_pairs * 32 + pair * 32,
+                          _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// Scores of `rows` query rows (from `q`, stride ldq) against key tiles [0, tiles): s [rows][ldS].
+template <int MR>
+void score_rows(const Bf16* q, int64_t ldq, int64_t dim_pairs, const Bf16* k_tiles,
+                int64_t tiles, float* s, int64_t lds) {
+  const int64_t tile_stride = dim_pairs * 32;
+  int64_t t = 0;
+  for (; t + 2 <= tiles; t += 2) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    infercloud_vec::dot_pairs<MR, 2>(q, ldq, dim_pairs, k_tiles + t * tile_stride, tile_stride, 0,
+                                     acc);
+    for (int m = 0; m < MR; ++m) {
+      _mm512_storeu_ps(s + m * lds + t * 16, acc[m][0]);
+      _mm512_storeu_ps(s + m * lds + t * 16 + 16, acc[m][1]);
+    }
+  }
+  if (t < tiles) {
+    __m512 acc[MR][1];
+    for (int m = 0; m < MR; ++m) acc[m][0] = _mm512_setzero_ps();
+    infercloud_vec::dot_pairs<MR, 1>(q, ldq, dim_pairs, k_tiles + t * tile_stride, tile_stride, 0,
+                                     acc);
+    for (int m = 0; m < MR; ++m) _mm512_storeu_ps(s + m * lds + t * 16, acc[m][0]);
+  }
+}
+
+// out [rows][head_dim] = p [rows][pairs*2] (bf16) x values (V^T tiles).
+template <int MR>
+void weigh_values(const Bf16* p, int64_t ldp, int64_t pairs, const Bf16* v_tiles,
+                  int64_t key_pairs, int64_t dim_tiles, Bf16* out, int64_t ldo) {
+  const int64_t tile_stride = key_pairs * 32;
+  for (int64_t t = 0; t < dim_tiles; t += 2) {  // head_dim is a multiple of 32 here
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    infercloud_vec::dot_pairs<MR, 2>(p, ldp, pairs, v_tiles + t * tile_stride, tile_stride, 0, acc);
+    for (int m = 0; m < MR; ++m) {
+      infercloud_vec::store16(out + m * ldo + t * 16, acc[m][0]);
+      infercloud_vec::store16(out + m * ldo + t * 16 + 16, acc[m][1]);
+    }
+  }
+}
+
+template <int MR>
+void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t head_dim,
+                 const Bf16* k_tiles, const Bf16* v_tiles, int64_t ctx, float scale,
+                 std::vector<float>& s, std::vector<Bf16>& p, Bf16* out, int64_t ldo) {
+  const int64_t last = positions[MR - 1];  // rows are in position order
+  const int64_t keys = last + 1, tiles = (keys + 15) / 16, width = tiles * 16;
+  s.resize(MR * width);
+  p.resize(MR * width);
+  score_rows<MR>(q, ldq, head_dim / 2, k_tiles, tiles, s.data(), width);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int m = 0; m < MR; ++m) {
+    float* sm = s.data() + m * width;
+    Bf16* pm = p.data() + m * width;
+    const int64_t visible = positions[m] + 1;
+    auto lanes = [&](int64_t j) {
+      const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, visible - j));
+      return static_cast<__mmask16>((1u << n) - 1);
+    };
+    __m512 peak16 = neg_inf;
+    for (int64_t j = 0; j < visible; j += 16) {
+      const __m512 v = _mm512_mul_ps(_mm512_mask_loadu_ps(neg_inf, lanes(j), sm + j), scale16);
+      _mm512_storeu_ps(sm + j, v);
+      peak16 = _mm512_max_ps(peak16, v);
+    }
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peak16));
+    __m512 sum16 = _mm512_setzero_ps();
+    for (int64_t j = 0; j < visible; j += 16) {
+      const __m512 e =
+          _mm512_maskz_mov_ps(lanes(j), infercloud_vec::exp16(_mm512_sub_ps(_mm512_loadu_ps(sm + j), peak)));
+      _mm512_storeu_ps(sm + j, e);
+      sum16 = _mm512_add_ps(sum16, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum16));
+    for (int64_t j = 0; j < width; j += 16) {
+      const __m512 e = _mm512_maskz_loadu_ps(lanes(j), sm + j);
+      infercloud_vec::store16(pm + j, _mm512_mul_ps(e, inv));
+    }
+  }
+  weigh_values<MR>(p.data(), width, (keys + 1) / 2, v_tiles, (ctx + 1) / 2, head_dim / 16, out,
+                   ldo);
+}
+#endif  // __AVX512BF16__
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                   const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
+                                   double scale, int64_t num_blocks) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
+              "q must be contiguous bfloat16 [tokens, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "caches must be contiguous bfloat16 [num_kv_heads * num_blocks, block_size, head_dim]");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(k_cache.size(2) == head_dim && head_dim % 32 == 0 && head_dim <= 256,
+              "head_dim must match the caches and be a multiple of 32, at most 256");
+  TORCH_CHECK(num_blocks > 0 && k_cache.size(0) % num_blocks == 0,
+              "cache rows are not a multiple of num_blocks");
+  const int64_t num_kv_heads = k_cache.size(0) / num_blocks;
+  TORCH_CHECK(q.size(1) % num_kv_heads == 0, "num_heads is not a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && chunk_starts.scalar_type() == at::kInt &&
+                  chunk_lens.scalar_type() == at::kInt,
+              "block_tables, chunk_starts and chunk_lens must be int32");
+  const int64_t num_chunks = chunk_lens.size(0);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_chunks &&
+                  block_tables.is_contiguous() && chunk_starts.size(0) == num_chunks &&
+                  chunk_starts.is_contiguous() && chunk_lens.is_contiguous(),
+              "one block table row, start and length per chunk");
+  const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  const int32_t* starts = chunk_starts.data_ptr<int32_t>();
+  const int32_t* lens = chunk_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  int64_t rows = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t ctx = static_cast<int64_t>(starts[c]) + lens[c];
+    TORCH_CHECK(starts[c] >= 0 && lens[c] >= 1 && ctx <= max_blocks * block_size, "chunk ", c,
+                " (start ", starts[c], ", length ", lens[c], ") does not fit its block table");
+    for (int64_t b = 0; b < (ctx + block_size - 1) / block_size; ++b) {
+      const int32_t block = tables[c * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block ", block, " is not in [0, ", num_blocks,
+                  ")");
+    }
+    rows += lens[c];
+  }
+  TORCH_CHECK(rows == q.size(0), "the chunks' lengths do not add up to q's tokens");
+  at::Tensor out = at::empty({q.size(0), q.size(1) * head_dim}, q.options());
+#if defined(__AVX512BF16__)
+  const int64_t num_heads = q.size(1), group = num_heads / num_kv_heads;
+  std::vector<Chunk> chunks;
+  int64_t row = 0;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    chunks.push_back({row, starts[c], lens[c], tables + c * max_blocks});
+    row += lens[c];
+  }
+  // Phase 1: pack every (chunk, KV head)'s keys and values.
+  const int64_t tasks = num_chunks * num_kv_heads;
+  std::vector<int64_t> k_off(tasks + 1, 0), v_off(tasks + 1, 0);
+  for (int64_t i = 0; i < tasks; ++i) {
+    const int64_t ctx = chunks[i / num_kv_heads].start + chunks[i / num_kv_heads].len;
+    k_off[i + 1] = k_off[i] + (ctx + 15) / 16 * head_dim * 16;
+    v_off[i + 1] = v_off[i] + (ctx + 1) / 2 * 2 * head_dim;
+  }
+  std::vector<Bf16> k_tiles(k_off[tasks]), v_tiles(v_off[tasks]);
+  const Bf16* kc = k_cache.data_ptr<Bf16>();
+  const Bf16* vc = v_cache.data_ptr<Bf16>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& ch = chunks[i / num_kv_heads];
+      pack_kv(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
+              head_dim, k_tiles.data() + k_off[i], v_tiles.data() + v_off[i]);
+    }
+  });
+  // Phase 2: blocks of 8 query rows (token-major, the group's heads adjacent) per task.
+  struct Unit {
+    int64_t task, first_row, count;
+  };
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < tasks; ++i) {
+    const int64_t task_rows = chunks[i / num_kv_heads].len * group;
+    for (int64_t r = 0; r < task_rows; r += kRows) {
+      units.push_back({i, r, std::min<int64_t>(kRows, task_rows - r)});
+    }
+  }
+  const Bf16* qp = q.data_ptr<Bf16>();
+  Bf16* op = out.data_ptr<Bf16>();
+  const float scale_f = static_cast<float>(scale);
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    std::vector<Bf16> p;
+    alignas(64) Bf16 q_rows[kRows * 256];
+    alignas(64) Bf16 o_rows[kRows * 256];
+    int64_t positions[kRows];
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit& unit = units[u];
+      const Chunk& ch = chunks[unit.task / num_kv_heads];
+      const int64_t kv_head = unit.task % num_kv_heads;
+      const int64_t ctx = ch.start + ch.len;
+      for (int64_t m = 0; m < unit.count; ++m) {
+        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
+        positions[m] = ch.start + token;
+        std::copy_n(qp + ((ch.row_start + token) * num_heads + head) * head_dim, head_dim,
+                    q_rows + m * head_dim);
+      }
+      const Bf16* kt = k_tiles.data() + k_off[unit.task];
+      const Bf16* vt = v_tiles.data() + v_off[unit.task];
+      switch (unit.count) {
+#define INFERCLOUD_ROWS(n)                                                                       \
+  case n:                                                                                        \
+    attend_rows<n>(q_rows, head_dim, positions, head_dim, kt, vt, ctx, scale_f, s, p, o_rows,    \
+                   head_dim);                                                                    \
+    break;
+        INFERCLOUD_ROWS(1)
+        INFERCLOUD_ROWS(2)
+        INFERCLOUD_ROWS(3)
+        INFERCLOUD_ROWS(4)
+        INFERCLOUD_ROWS(5)
+        INFERCLOUD_ROWS(6)
+        INFERCLOUD_ROWS(7)
+        INFERCLOUD_ROWS(8)
+#undef INFERCLOUD_ROWS
+      }
+      for (int64_t m = 0; m < unit.count; ++m) {
+        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
+        std::copy_n(o_rows + m * head_dim, head_dim,
+                    op + ((ch.row_start + token) * num_heads + head) * head_dim);
+      }
+    }
+  });
+#else
+  TORCH_CHECK(false, "paged_prefill_attention needs a CPU with AVX512-BF16");
+#endif
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infercloud, m) {
+  m.def(
+      "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+      "Tensor chunk_starts, Tensor chunk_lens, float scale, int num_blocks) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}

@@ -1,0 +1,86 @@
+"""Our prefill attention kernel (`torch.ops.infercloud.paged_prefill_attention`) against float32
+causal attention on the same bfloat16 queries, keys and values, read through block tables:
+chunks at the start of a prompt and after earlier tokens, of one token, and longer than a
+block, in one call. Its error must be no larger than that of the plain-torch bfloat16 path the
+engine uses otherwise (matmuls in bfloat16, softmax rounded to bfloat16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infercloud.engine.cpu_kernels import load_error, load_kernels
+
+ops = torch.ops.infercloud
+pytestmark = pytest.mark.skipif(
+    not (load_kernels() and ops.has_linear_bf16()),
+    reason=f"no AVX512-BF16 kernels here: {load_error() or 'CPU without AVX512-BF16'}",
+)
+
+KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 9, 64, 16, 256
+GROUP = HEADS // KV_HEADS
+CHUNKS = [(0, 128), (100, 37), (0, 1), (250, 256), (7, 9)]  # (start, tokens)
+
+
+def _setup() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(KV_HEADS * NUM_BLOCKS, BLOCK, HEAD_DIM, generator=gen).bfloat16()
+    v_cache = torch.randn(KV_HEADS * NUM_BLOCKS, BLOCK, HEAD_DIM, generator=gen).bfloat16()
+    perm = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    max_blocks = max(-(-(s + n) // BLOCK) for s, n in CHUNKS)
+    tables, used = [], 0
+    for start, n in CHUNKS:
+        blocks = -(-(start + n) // BLOCK)
+        tables.append(perm[used : used + blocks] + [0] * (max_blocks - blocks))
+        used += blocks
+    q = torch.randn(sum(n for _, n in CHUNKS), HEADS, HEAD_DIM, generator=gen).bfloat16()
+    return q, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32)
+
+
+def _keys(cache: torch.Tensor, table: list[int], head: int, ctx: int) -> torch.Tensor:
+    blocks = cache.view(KV_HEADS, NUM_BLOCKS, BLOCK, HEAD_DIM)[head, table[: -(-ctx // BLOCK)]]
+    return blocks.reshape(-1, HEAD_DIM)[:ctx]
+
+
+def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
+    q, k_cache, v_cache, tables = _setup()
+    starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
+    assert got.shape == (q.shape[0], HEADS * HEAD_DIM) and got.dtype == torch.bfloat16
+    row, err_kernel, err_torch = 0, 0.0, 0.0
+    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
+        ctx = start + n
+        future = (
+            torch.arange(ctx)[None, :] > torch.arange(start, ctx).repeat_interleave(GROUP)[:, None]
+        )
+        for h in range(KV_HEADS):
+            k, v = _keys(k_cache, table, h, ctx), _keys(v_cache, table, h, ctx)
+            qh = q[row : row + n, h * GROUP : (h + 1) * GROUP].reshape(-1, HEAD_DIM)
+            bias = torch.zeros(future.shape).masked_fill(future, float("-inf"))
+            exact = torch.softmax(qh.float() @ k.float().T * scale + bias, -1) @ v.float()
+            plain = torch.softmax(torch.add(bias.bfloat16(), qh @ k.T, alpha=scale), -1) @ v
+            mine = got[row : row + n].view(n, HEADS, HEAD_DIM)[:, h * GROUP : (h + 1) * GROUP]
+            err_kernel = max(
+                err_kernel, (mine.reshape(-1, HEAD_DIM).float() - exact).abs().max().item()
+            )
+            err_torch = max(err_torch, (plain.float() - exact).abs().max().item())
+        row += n
+    assert err_kernel <= err_torch * 1.25 + 1e-3, (err_kernel, err_torch)
+
+
+def test_bad_input_is_refused() -> None:
+    q, k_cache, v_cache, tables = _setup()
+    starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="add up"):
+        ops.paged_prefill_attention(q[1:], k_cache, v_cache, tables, starts, lens, 0.1, NUM_BLOCKS)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts + 4096, lens, 0.1, NUM_BLOCKS
+        )
+    bad = tables.clone()
+    bad[0, 0] = NUM_BLOCKS
+    with pytest.raises(RuntimeError, match="is not in"):
+        ops.paged_prefill_attention(q, k_cache, v_cache, bad, starts, lens, 0.1, NUM_BLOCKS)
