@@ -47,9 +47,8 @@ void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int
              int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t head_dim,
              Bf16* k_tiles, Bf16* v_tiles) {
   const int64_t key_tiles = (ctx + 15) / 16, dim_pairs = head_dim / 2;
-  const int64_t key_pairs = (ctx + 1) / 2, dim_tiles = head_dim / 16;
+  const int64_t key_pairs = (ctx + 1) / 2;
   std::fill(k_tiles, k_tiles + key_tiles * dim_pairs * 32, Bf16(0.0f));
-  (void)dim_tiles;
   auto key_row = [&](int64_t t) {
     return (kv_head * num_blocks + table[t / block_size]) * block_size + t % block_size;
   };
