@@ -154,6 +154,29 @@ def test_an_unknown_decode_attention_is_refused(tiny_model_dir: Path) -> None:
         LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, decode_attention="flash")
 
 
+def test_unknown_kernel_choices_are_refused(tiny_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="prefill_attention"):
+        LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, prefill_attention="flash")
+    with pytest.raises(ValueError, match="linear_kernel"):
+        LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, linear_kernel="mkl")
+
+
+def test_bfloat16_with_a_head_size_the_prefill_kernel_does_not_take(tiny_model_dir: Path) -> None:
+    """The tiny model's heads are 16 wide: "auto" keeps prefill in torch and serves; asking for
+    the kernel is refused at start, not at the first prompt."""
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype="bfloat16")
+    assert not llm.engine.prefill_kernel
+    out = llm.generate([[5, 6, 7, 8, 9] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    with pytest.raises(RuntimeError, match="head sizes"):
+        LLM(
+            str(tiny_model_dir),
+            kv_cache_bytes=4 << 20,
+            dtype="bfloat16",
+            prefill_attention="kernel",
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not (load_kernels() and torch.ops.infercloud.has_linear_bf16()),

@@ -166,12 +166,21 @@ class LLMEngine:
             dtype,
         )
         """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
-        self.prefill_kernel = _use_bf16_kernel(
-            "prefill_attention",
-            config.prefill_attention,
-            ("auto", "kernel", "torch"),
-            config.device,
-            dtype,
+        head_dim = self.model_config.head_dim
+        kernel_head = head_dim % 32 == 0 and head_dim <= 256
+        if config.prefill_attention == "kernel" and not kernel_head:
+            raise RuntimeError(
+                f"prefill_attention='kernel' takes head sizes 32, 64, ... 256, not {head_dim}"
+            )
+        self.prefill_kernel = (
+            _use_bf16_kernel(
+                "prefill_attention",
+                config.prefill_attention,
+                ("auto", "kernel", "torch"),
+                config.device,
+                dtype,
+            )
+            and kernel_head
         )
         """Whether prefill chunks attend through our CPU kernel (else through matmuls)."""
         self.block_pool = BlockPool(num_blocks)
