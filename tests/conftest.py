@@ -69,11 +69,15 @@ class EngineServer:
         self.stop()
         raise TimeoutError(f"{command} server did not become healthy")
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, labels: str = "", default: float | None = None) -> float:
+        """The first sample of `name` whose line contains `labels` (e.g.
+        'finished_reason="abort"'); `default` when there is none, else KeyError."""
         text = httpx.get(self.base_url + "/metrics", timeout=5.0).text
         for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
+            if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line:
                 return float(line.rsplit(" ", 1)[1])
+        if default is not None:
+            return default
         raise KeyError(name)
 
     def stop(self) -> None:

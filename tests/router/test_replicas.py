@@ -200,15 +200,6 @@ async def stream_one(
     return out
 
 
-async def running(client: httpx.AsyncClient, server: EngineServer) -> float:
-    """The replica's `infercloud:num_requests_running` gauge."""
-    text = (await client.get(server.base_url + "/metrics")).text
-    for line in text.splitlines():
-        if line.startswith("infercloud:num_requests_running"):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError("infercloud:num_requests_running")
-
-
 def test_kill_9_under_load_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     ups = engines(tiny_model_dir, 3)
     gw = gateway_for(ups, tmp_path, ["least_outstanding"], tiny_model_dir)
@@ -227,7 +218,8 @@ def test_kill_9_under_load_loses_nothing(tiny_model_dir: Path, tmp_path: Path) -
                 # Kill replica 1 once streams are running on it (a fixed wait of 0.8 s let a
                 # faster engine finish every stream first).
                 deadline = time.monotonic() + 30
-                while await running(client, ups[1]) == 0:
+                gauge = "infercloud:num_requests_running"
+                while await asyncio.to_thread(ups[1].metric, gauge) == 0:
                     assert time.monotonic() < deadline, "no stream reached replica 1"
                     await asyncio.sleep(0.01)
                 os.kill(ups[1].process.pid, signal.SIGKILL)

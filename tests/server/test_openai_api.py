@@ -195,14 +195,9 @@ def test_client_disconnect_mid_stream_aborts_and_frees_blocks(tiny_server: Engin
 
 
 def _aborted_requests(server: EngineServer) -> float:
-    text = httpx.get(server.base_url + "/metrics", timeout=5.0).text
-    for line in text.splitlines():
-        if (
-            line.startswith("infercloud:request_success_total{")
-            and 'finished_reason="abort"' in line
-        ):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    return server.metric(
+        "infercloud:request_success_total", labels='finished_reason="abort"', default=0.0
+    )
 
 
 def test_client_disconnect_non_streaming_aborts(tiny_server: EngineServer) -> None:

@@ -64,13 +64,24 @@ def _use_decode_kernel(choice: str, device: str) -> bool:
 
 
 def _use_bf16_kernel(
-    what: str, choice: str, choices: tuple[str, str, str], device: str, dtype: torch.dtype
+    what: str,
+    choice: str,
+    choices: tuple[str, str, str],
+    device: str,
+    dtype: torch.dtype,
+    unfit: str | None = None,
 ) -> bool:
     """Resolve a choice among ("auto", "kernel", <the other path>) for one of our AVX512-BF16
-    kernels (`EngineConfig.linear_kernel`, `prefill_attention`), building them if needed."""
+    kernels (`EngineConfig.linear_kernel`, `prefill_attention`), building them if needed.
+    `unfit`: why the model's shapes rule the kernel out, if they do ("auto" then takes the
+    other path; "kernel" is refused)."""
     if choice not in choices:
         raise ValueError(f"{what} must be one of {', '.join(choices)}, got {choice!r}")
     if choice not in ("auto", "kernel"):
+        return False
+    if unfit is not None:
+        if choice == "kernel":
+            raise RuntimeError(f"{what}='kernel' {unfit}")
         return False
     usable = (
         torch.device(device).type == "cpu"
@@ -167,20 +178,15 @@ class LLMEngine:
         )
         """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
         head_dim = self.model_config.head_dim
-        kernel_head = head_dim % 32 == 0 and head_dim <= 256
-        if config.prefill_attention == "kernel" and not kernel_head:
-            raise RuntimeError(
-                f"prefill_attention='kernel' takes head sizes 32, 64, ... 256, not {head_dim}"
-            )
-        self.prefill_kernel = (
-            _use_bf16_kernel(
-                "prefill_attention",
-                config.prefill_attention,
-                ("auto", "kernel", "torch"),
-                config.device,
-                dtype,
-            )
-            and kernel_head
+        self.prefill_kernel = _use_bf16_kernel(
+            "prefill_attention",
+            config.prefill_attention,
+            ("auto", "kernel", "torch"),
+            config.device,
+            dtype,
+            unfit=None
+            if head_dim % 32 == 0 and head_dim <= 256
+            else f"takes head sizes 32, 64, ... 256, not {head_dim}",
         )
         """Whether prefill chunks attend through our CPU kernel (else through matmuls)."""
         self.block_pool = BlockPool(num_blocks)

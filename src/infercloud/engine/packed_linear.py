@@ -82,11 +82,9 @@ class KernelLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2:
-            rows = x.reshape(-1, self.in_features)
-            out = torch.ops.infercloud.linear_bf16(rows, self.packed_weight, self.out_features)
-            return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
-        return torch.ops.infercloud.linear_bf16(x, self.packed_weight, self.out_features)  # type: ignore[no-any-return]
+        rows = x.reshape(-1, self.in_features)  # a view for the engine's 2-d inputs
+        out = torch.ops.infercloud.linear_bf16(rows, self.packed_weight, self.out_features)
+        return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel"

@@ -107,52 +107,50 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
                    double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* w = weight.data_ptr<T>();
+#if defined(__AVX512F__)
+  using namespace infercloud_vec;
+  const int64_t vec_width = width - width % 16;  // the rest goes through the scalar tails
+#else
+  const int64_t vec_width = 0;
+#endif
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x.data_ptr<T>() + r * x.stride(0);
-      T* src = const_cast<T*>(xr);
+      const T* src = xr;
       T* o = out.data_ptr<T>() + r * out.stride(0);
-      int64_t i = 0;
-      float sum = 0.f;
-#if defined(__AVX512F__)
-      using namespace infercloud_vec;
-      const int64_t vec_width = width - width % 16;
       if (residual != nullptr) {
         T* res = residual->data_ptr<T>() + r * residual->stride(0);
-        for (i = 0; i < vec_width; i += 16) {
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i < vec_width; i += 16) {
           store16(res + i, _mm512_add_ps(load16(static_cast<const T*>(res + i)), load16(xr + i)));
         }
+#endif
         for (; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
         src = res;
       }
+      float sum = 0.f;
+      int64_t i = 0;
+#if defined(__AVX512F__)
       __m512 sum_v = _mm512_setzero_ps();
-      for (i = 0; i < vec_width; i += 16) {
-        const __m512 v = load16(static_cast<const T*>(src + i));
+      for (; i < vec_width; i += 16) {
+        const __m512 v = load16(src + i);
         sum_v = _mm512_add_ps(sum_v, _mm512_mul_ps(v, v));
       }
       sum = _mm512_reduce_add_ps(sum_v);
+#endif
       for (; i < width; ++i) {
         const float v = load(src[i]);
         sum += v * v;
       }
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
+      i = 0;
+#if defined(__AVX512F__)
       const __m512 inv_v = _mm512_set1_ps(inv);
-      for (i = 0; i < vec_width; i += 16) {
-        const __m512 normed = round16<T>(_mm512_mul_ps(load16(static_cast<const T*>(src + i)), inv_v));
+      for (; i < vec_width; i += 16) {
+        const __m512 normed = round16<T>(_mm512_mul_ps(load16(src + i), inv_v));
         store16(o + i, _mm512_mul_ps(load16(w + i), normed));
       }
-#else
-      if (residual != nullptr) {
-        T* res = residual->data_ptr<T>() + r * residual->stride(0);
-        for (i = 0; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
-        src = res;
-      }
-      for (i = 0; i < width; ++i) {
-        const float v = load(src[i]);
-        sum += v * v;
-      }
-      const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
-      i = 0;
 #endif
       for (; i < width; ++i) {
         o[i] = store<T>(load(w[i]) * round_to<T>(load(src[i]) * inv));

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -46,9 +47,12 @@ struct Chunk {
 void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int64_t ctx,
              int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t head_dim,
              Bf16* k_tiles, Bf16* v_tiles) {
-  const int64_t key_tiles = (ctx + 15) / 16, dim_pairs = head_dim / 2;
+  const int64_t dim_pairs = head_dim / 2;
   const int64_t key_pairs = (ctx + 1) / 2;
-  std::fill(k_tiles, k_tiles + key_tiles * dim_pairs * 32, Bf16(0.0f));
+  if (ctx % 16 != 0) {  // the last key tile's unused columns: zero (full tiles are overwritten)
+    std::fill(k_tiles + ctx / 16 * dim_pairs * 32, k_tiles + (ctx / 16 + 1) * dim_pairs * 32,
+              Bf16(0.0f));
+  }
   auto key_row = [&](int64_t t) {
     return (kv_head * num_blocks + table[t / block_size]) * block_size + t % block_size;
   };
@@ -235,14 +239,15 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
     k_off[i + 1] = k_off[i] + (ctx + 15) / 16 * head_dim * 16;
     v_off[i + 1] = v_off[i] + (ctx + 1) / 2 * 2 * head_dim;
   }
-  std::vector<Bf16> k_tiles(k_off[tasks]), v_tiles(v_off[tasks]);
+  // Uninitialised: pack_kv writes every element (a vector would zero them all first).
+  std::unique_ptr<Bf16[]> k_tiles(new Bf16[k_off[tasks]]), v_tiles(new Bf16[v_off[tasks]]);
   const Bf16* kc = k_cache.data_ptr<Bf16>();
   const Bf16* vc = v_cache.data_ptr<Bf16>();
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& ch = chunks[i / num_kv_heads];
       pack_kv(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
-              head_dim, k_tiles.data() + k_off[i], v_tiles.data() + v_off[i]);
+              head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
     }
   });
   // Phase 2: blocks of 8 query rows (token-major, the group's heads adjacent) per task.
@@ -276,8 +281,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
         std::copy_n(qp + ((ch.row_start + token) * num_heads + head) * head_dim, head_dim,
                     q_rows + m * head_dim);
       }
-      const Bf16* kt = k_tiles.data() + k_off[unit.task];
-      const Bf16* vt = v_tiles.data() + v_off[unit.task];
+      const Bf16* kt = k_tiles.get() + k_off[unit.task];
+      const Bf16* vt = v_tiles.get() + v_off[unit.task];
       switch (unit.count) {
 #define INFERCLOUD_ROWS(n)                                                                       \
   case n:                                                                                        \
