@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--linear-kernel",
         default="auto",
         choices=["auto", "kernel", "onednn"],
-        help="linear layers through our bfloat16 GEMM (AVX512-BF16 CPUs) or oneDNN",
+        help="linear layers through our bfloat16 GEMM (AVX512-BF16 CPUs) or oneDNN; "
+        "auto: whichever is faster on this CPU, timed at start",
     )
     engine.add_argument(
         "--no-fused-layer-ops",
@@ -257,11 +258,15 @@ def _serve_engine(args: argparse.Namespace) -> int:
     llm = engine.engine
     if args.step_log is not None:
         engine.step_listeners.append(_step_logger(args.step_log))
+    linear = "kernel" if llm.linear_kernel else "oneDNN"
+    if llm.linear_times is not None:
+        times = llm.linear_times
+        linear += f" (timed: kernel {times.kernel_s * 1e3:.1f} ms, other {times.other_s * 1e3:.1f})"
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: "
-        f"{'kernel' if llm.linear_kernel else 'oneDNN'}) on http://{args.host}:{args.port}",
+        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: {linear}) "
+        f"on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

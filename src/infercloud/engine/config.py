@@ -39,7 +39,9 @@ class EngineConfig:
     linear_kernel: str = "auto"
     """How linear layers multiply on the CPU: "kernel": our bfloat16 GEMM (`csrc/linear_bf16.cpp`;
     bfloat16 weights, AVX512-BF16; fails at start where it cannot run); "onednn": oneDNN, packed
-    as `packed_linear` says; "auto": ours where it can run, else oneDNN."""
+    as `packed_linear` says; "auto": where ours can run, both are timed at start on the model's
+    shapes and the faster is kept (`engine/linear_choice.py`; ours won on an AMD EPYC, oneDNN's
+    AMX kernel on an Intel Xeon), else oneDNN."""
     decode_attention: str = "auto"
     """How decoding requests attend: "kernel": our C++ kernel reads each request's blocks in
     place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);

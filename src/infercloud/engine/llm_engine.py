@@ -27,6 +27,7 @@ from infercloud.engine.config import EngineConfig
 from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
+from infercloud.engine.linear_choice import LinearTimes, layer_shapes, time_linear_paths
 from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.model_runner import (
     ModelRunner,
@@ -35,6 +36,7 @@ from infercloud.engine.model_runner import (
     resolve_dtype,
 )
 from infercloud.engine.outputs import RequestOutput
+from infercloud.engine.packed_linear import can_pack
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampler import TokenLogprobs
@@ -177,6 +179,14 @@ class LLMEngine:
             dtype,
         )
         """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
+        self.linear_times: LinearTimes | None = None
+        """With "auto" where both can run: both paths timed on this model's shapes."""
+        if self.linear_kernel and config.linear_kernel == "auto":
+            self.linear_times = time_linear_paths(
+                layer_shapes(self.model_config),
+                packed_other=config.packed_linear and can_pack(torch.device(config.device), dtype),
+            )
+            self.linear_kernel = self.linear_times.kernel_wins
         head_dim = self.model_config.head_dim
         self.prefill_kernel = _use_bf16_kernel(
             "prefill_attention",

@@ -16,7 +16,9 @@ Used only where torch has oneDNN and the weights live on the CPU.
 CPUs with AVX512-BF16). oneDNN's kernel is tuned for large row counts; a decode step has one row
 per running request. Measured here (2 cores, 32 rows): the up-projection 137 -> 117 us, the
 qkv projection 56 -> 39 us, the down projection 83 -> 59 us; at 512 rows both run at about
-1 TFLOP/s. Outputs can differ from oneDNN's in the last bit (another summation order).
+1 TFLOP/s. Outputs can differ from oneDNN's in the last bit (another summation order). On a
+CPU with AMX, oneDNN's kernel runs on the tile unit and ours is the slower one
+(`linear_choice.py` times both).
 """
 
 from __future__ import annotations
