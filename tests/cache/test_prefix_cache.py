@@ -10,13 +10,15 @@ from hypothesis import strategies as st
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import (
     PENDING,
+    TAIL_POSITIONS,
     BeladyPolicy,
     BlockStats,
     EvictionPolicy,
     LRUPolicy,
     RequestShape,
     ValueAwarePolicy,
-    reuse_class,
+    feature_class,
+    request_class,
 )
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.cache.prefix_cache import CacheEvent, PrefixCache
@@ -144,14 +146,14 @@ def test_policies_rank_as_documented() -> None:
 def test_value_policy_ranks_a_class_by_its_observed_reuse() -> None:
     """Two blocks alike in all but the class of the request that stored them: the one whose
     class was seldom used again is evicted first, though it is the more recently used."""
-    good = reuse_class(False, 20_000, 10)
-    poor = reuse_class(False, 20_000, 500)
+    good = request_class(False, 20_000, 10)
+    poor = request_class(False, 20_000, 500)
     stats = BlockStats.empty(2)
-    for block, feature_class in ((0, good), (1, poor)):  # 40 earlier visits each
+    for block, request in ((0, good), (1, poor)):  # 40 earlier visits each
         for _ in range(40):
             stats.record_insert(block, 1, 0, 0.0)
-            stats.record_finish([block], feature_class)
-            if feature_class == good:
+            stats.record_finish([block], request)
+            if request == good:
                 stats.record_hit(block, 30.0)
     stats.record_insert(0, 1, 0, 100.0)
     stats.record_finish([0], good)
@@ -170,8 +172,29 @@ def test_a_finished_request_classifies_only_its_own_blocks() -> None:
     own_a, own_b = kv.block_table("a")[:2], kv.block_table("b")[2]
     kv.free("b", RequestShape(13, 7))
     kv.free("a")  # no shape (e.g. preempted): its blocks stay pending
-    assert cache.stats.feature_class[own_b] == reuse_class(True, 13, 7)
+    assert cache.stats.feature_class[own_b] == feature_class(request_class(True, 13, 7), 0)
     assert all(cache.stats.feature_class[b] == PENDING for b in own_a)
+    cache.check_invariants()
+
+
+def test_blocks_take_their_place_in_the_chain_their_request_stored() -> None:
+    """A prompt's last blocks (its new tail) are seldom used again, its inner ones often: the
+    class tells them apart by distance from the end of the chain the request stored (0, 1, 2,
+    and so on up to `TAIL_POSITIONS` - 1 for all further in)."""
+    kv, cache, _ = make(num_blocks=32, policy=ValueAwarePolicy())
+    run(kv, "a", list(range(12)), 0.0)  # stores 3 blocks
+    run(kv, "b", [*range(8), *range(100, 124)], 1.0)  # hits a's first 2, stores 6 more
+    table_a, table_b = kv.block_table("a"), kv.block_table("b")
+    kv.free("a", RequestShape(12, 2))
+    kv.free("b", RequestShape(32, 2))
+    a, b = request_class(False, 12, 2), request_class(True, 32, 2)
+    stats = cache.stats
+    assert [stats.feature_class[x] for x in table_a] == [feature_class(a, n) for n in (2, 1, 0)]
+    assert [stats.feature_class[x] for x in table_b[2:]] == [
+        feature_class(b, n) for n in (5, 4, 3, 2, 1, 0)
+    ]
+    last = TAIL_POSITIONS - 1  # all further in share one class
+    assert feature_class(b, last) == feature_class(b, last + 50) != feature_class(b, last - 1)
     cache.check_invariants()
 
 
@@ -182,14 +205,14 @@ def test_a_prefix_stored_again_after_eviction_counts_as_a_use() -> None:
     prompt = list(range(5))  # 1 full block + 1 token
     run(kv, "a", prompt, 0.0)
     kv.free("a", RequestShape(5, 3))
-    feature_class = reuse_class(False, 5, 3)
-    assert cache.stats.state_reused[feature_class] == 0
+    state = feature_class(request_class(False, 5, 3), 0)
+    assert cache.stats.state_reused[state] == 0
     run(kv, "x", list(range(100, 109)), 1.0)  # needs all 3 blocks: evicts a's
     kv.free("x", RequestShape(9, 3))
     run(kv, "b", prompt, 2.0)
     block = kv.block_table("b")[0]
-    assert cache.stats.state_reused[feature_class] == 1
-    assert cache.stats.num_hits[block] == 1 and cache.stats.feature_class[block] == feature_class
+    assert cache.stats.state_reused[state] == 1
+    assert cache.stats.num_hits[block] == 1 and cache.stats.feature_class[block] == state
     cache.check_invariants()
 
 

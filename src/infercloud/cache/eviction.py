@@ -8,9 +8,10 @@ state (Belady's table of the future is given to it up front).
 - `LRUPolicy`: least recently used first (vLLM's and SGLang's default).
 - `ValueAwarePolicy`: the blocks least likely to be used again within the time a kept block
   has, first. It learns online, per state of a block, how often blocks in that state were used
-  again and after how long. A block's state is the feature class of the request that stored it
-  (`reuse_class`: whether that request hit, its prompt length and, once it finished, its output
-  length) until it is hit, then how many times it was hit.
+  again and after how long. A block's state is its feature class (`feature_class`: the class of
+  the request that stored it, by `request_class`: whether that request hit, its prompt length
+  and, once it finished, its output length; and how many blocks before the end of that
+  request's chain it sits) until it is hit, then how many times it was hit.
 - `BeladyPolicy`: evicts the block needed furthest in the future (never again: first). It needs
   the future, so it exists for benchmarks only, as the upper bound of what any policy can reach.
 
@@ -45,8 +46,16 @@ PROMPT_TOKEN_BOUNDS = (1024, 4096, 16384, 65536)
 """Upper bounds of the prompt-length buckets, in tokens (powers of 4)."""
 _NUM_OUTPUT = len(OUTPUT_TOKEN_BOUNDS) + 2  # the buckets, plus "unknown"
 _NUM_PROMPT = len(PROMPT_TOKEN_BOUNDS) + 2
-NUM_FEATURE_CLASSES = 1 + 2 * _NUM_OUTPUT * _NUM_PROMPT
-"""`PENDING`, then one class per (hit, output bucket, prompt bucket)."""
+NUM_REQUEST_CLASSES = 2 * _NUM_OUTPUT * _NUM_PROMPT
+"""One class per (hit, output bucket, prompt bucket)."""
+TAIL_POSITIONS = 8
+"""A block's distance from the end of its request's chain, in blocks: 0 (the last) to 6, and
+7 for any further in. On Mooncake's trace, the blocks a prompt stores last (its new tail: the
+latest turn) were used again 5%, 17%, 29% and 37% of the time, those 4-11 blocks from the end
+about 40%, those further in 49%. With 4 positions instead of 8, the value policy's hit rate at
+25% capacity was 51.3% instead of 51.7%; without them, 49.8%."""
+NUM_FEATURE_CLASSES = 1 + NUM_REQUEST_CLASSES * TAIL_POSITIONS
+"""`PENDING`, then one class per (request class, tail position)."""
 HIT_STATES = 4
 """States of blocks hit 1, 2, 3 and 4 or more times (their features no longer matter)."""
 NUM_STATES = NUM_FEATURE_CLASSES + HIT_STATES
@@ -77,12 +86,18 @@ class RequestShape:
     """Tokens generated: known only once the request has finished."""
 
 
-def reuse_class(hit: bool, prompt_tokens: int | None, output_tokens: int | None) -> int:
-    """The feature class of the blocks a finished request stored: whether it started from a
-    cached prefix, and its prompt and output lengths in tokens (None: not known)."""
+def request_class(hit: bool, prompt_tokens: int | None, output_tokens: int | None) -> int:
+    """The class (0 .. `NUM_REQUEST_CLASSES` - 1) of a finished request: whether it started
+    from a cached prefix, and its prompt and output lengths in tokens (None: not known)."""
     out = _bucket(output_tokens, OUTPUT_TOKEN_BOUNDS)
     prompt = _bucket(prompt_tokens, PROMPT_TOKEN_BOUNDS)
-    return 1 + (int(hit) * _NUM_OUTPUT + out) * _NUM_PROMPT + prompt
+    return (int(hit) * _NUM_OUTPUT + out) * _NUM_PROMPT + prompt
+
+
+def feature_class(request: int, blocks_from_end: int) -> int:
+    """The feature class of a block that a request of class `request` stored, `blocks_from_end`
+    blocks before the end of the chain it stored (0: its last block)."""
+    return 1 + request * TAIL_POSITIONS + min(blocks_from_end, TAIL_POSITIONS - 1)
 
 
 def hit_state(num_hits: int) -> int:
@@ -111,7 +126,7 @@ class BlockStats:
     learns from, over every block the cache has held so far (nothing about the future).
 
     A block moves through states: `PENDING` from its insertion until its storing request
-    finishes, then the feature class of that request (`reuse_class`), then, once hit, the hit
+    finishes, then its `feature_class` (from that request's), then, once hit, the hit
     states (1, 2, 3, 4+ hits). `state_entered[s]` counts visits to state s, `state_reused[s]`
     those that ended in a use: a hit, or its prefix stored again after the block was evicted
     (`record_revival`: a use the cache missed, so that what the policy evicts early still counts
@@ -130,8 +145,8 @@ class BlockStats:
     key: IntArray
     """The block's prefix hash (what Belady's future is keyed by)."""
     feature_class: IntArray
-    """`PENDING` or the `reuse_class` of the request that stored the block (set when it
-    finished, so its output length is known)."""
+    """`PENDING` or the block's `feature_class`, set when the request that stored it finished
+    (so that its output length is known)."""
     state_entered: IntArray
     """Per state (`NUM_STATES`): visits so far."""
     state_reused: IntArray
@@ -190,16 +205,22 @@ class BlockStats:
         self.key[index] = key
         self.feature_class[index] = PENDING
 
-    def record_finish(self, blocks: list[int], feature_class: int) -> None:
-        """The request that stored `blocks` finished: they take its feature class. A block hit
-        meanwhile counts as a reused visit of that class (it is in a hit state already)."""
+    def record_finish(self, blocks: list[int], request: int) -> None:
+        """The request that stored `blocks` finished, and was of class `request`
+        (`request_class`): each takes its `feature_class`, by how far it sits from the deepest
+        of them. A block hit meanwhile counts as a reused visit of that class (it is in a hit
+        state already)."""
+        if not blocks:
+            return
+        end_depth = int(self.depth[np.array(blocks, dtype=np.int64)].max())
         for block in blocks:
             if self.feature_class[block] != PENDING:
                 continue
-            self.feature_class[block] = feature_class
-            self.state_entered[feature_class] += 1
+            cls = feature_class(request, end_depth - int(self.depth[block]))
+            self.feature_class[block] = cls
+            self.state_entered[cls] += 1
             if self.num_hits[block] > 0:
-                self.state_reused[feature_class] += 1
+                self.state_reused[cls] += 1
 
     def record_hit(self, block: int, now_s: float) -> None:
         hits = int(self.num_hits[block])

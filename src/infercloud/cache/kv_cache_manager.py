@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import RequestShape, reuse_class
+from infercloud.cache.eviction import RequestShape, request_class
 from infercloud.cache.host_tier import HostEntry, HostTier
 from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, salt_hash
 from infercloud.cache.transfer_cost import TransferCostModel
@@ -300,7 +300,8 @@ class KVCacheManager:
 
         Blocks the prefix cache holds stay cached (idle if nobody else uses them). `finished`:
         the request is done and this was its shape; the blocks it stored take its feature class
-        (`eviction.reuse_class`: whether it hit, its prompt and output lengths), which the
+        (`eviction.feature_class`: whether it hit, its prompt and output lengths, the block's
+        place in its chain), which the
         value policy learns reuse odds by. None (preempted, or the caller does not say): they
         stay `PENDING`.
         """
@@ -311,8 +312,8 @@ class KVCacheManager:
         self._hit.discard(request_id)
         stored = self._stored.pop(request_id, None)
         if stored and finished is not None and self.prefix_cache is not None:
-            feature_class = reuse_class(hit, finished.prompt_tokens, finished.output_tokens)
-            self.prefix_cache.record_finish(stored, feature_class)
+            request = request_class(hit, finished.prompt_tokens, finished.output_tokens)
+            self.prefix_cache.record_finish(stored, request)
         if not table:
             return
         if self.prefix_cache is not None:

@@ -373,15 +373,15 @@ class PrefixCache:
             self.on_event(CacheEvent("stored", tuple(stored), parent_hash, salt, now_s))
         return parent, swaps, blocks
 
-    def record_finish(self, blocks: Sequence[int], feature_class: int) -> None:
+    def record_finish(self, blocks: Sequence[int], request: int) -> None:
         """The request that stored `blocks` (`insert_from`) finished, before releasing them:
-        they take the feature class of its outcome (`eviction.reuse_class`), which the
-        policy learns from. Blocks no longer in the tree are skipped."""
+        they take feature classes from its class (`eviction.request_class`) and their places
+        in its chain, which the policy learns from. Blocks no longer in the tree are skipped."""
         if not self.policy.learns_outcomes:
             return
         held = [b for b in blocks if b in self._by_block]
         if held:
-            self.stats.record_finish(held, feature_class)
+            self.stats.record_finish(held, request)
 
     # -- eviction ------------------------------------------------------------------------------
 

@@ -124,7 +124,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
-        # its blocks in the prefix cache take the class of its outcome (`eviction.reuse_class`)
+        # its blocks in the prefix cache take the class of its outcome (`eviction.feature_class`)
         shape = RequestShape(request.num_prompt_tokens, request.num_output_tokens)
         self.kv_cache.free(request_id, shape)
         request.status = status
