@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
     )
+    parser.add_argument("--sort", default="tottime", help="cProfile's sort key (tottime, cumtime)")
     args = parser.parse_args()
     llm = LLM(
         "SmolLM2-135M-Instruct",
@@ -65,7 +66,7 @@ def main() -> None:
         engine.step()
     profile.disable()
     print(f"decode step: {(time.perf_counter() - start) * 100:.1f} ms")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+    pstats.Stats(profile).sort_stats(args.sort).print_stats(25)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,14 @@
 """Our bfloat16 GEMM (`torch.ops.infercloud.linear_bf16`) against oneDNN's packed kernel
-(`PackedLinear`), on SmolLM2-135M's linear shapes, hot weights, torch's default threads.
+(`PackedLinear`), on SmolLM2-135M's linear shapes, torch's default threads.
 
-    .venv/bin/python benchmarks/linear_kernel.py [--rows 1 8 32 512]
+    .venv/bin/python benchmarks/linear_kernel.py [--rows 1 8 32 512] [--stream]
 
 Prints the time per call and GFLOP/s of each, and the largest difference between the two
-outputs (they may differ in the last bit: another summation order).
+outputs (they may differ in the last bit: another summation order). Ours runs on the AMX tile
+unit where the CPU has one; `--no-tiles` keeps it on vdpbf16ps. Weights are hot in cache, except
+with `--stream`: then each path runs a decode step's worth of linear layers (30 layers of four
+projections and the vocabulary projection, each weight once, about 270 MB), as a decode step
+reads them from memory, and the time per step is printed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ SHAPES = {  # name: (out_features, in_features)
     "down": (576, 1536),
     "vocab": (49152, 576),
 }
+LAYERS = 30
+
+
+def _step_shapes() -> list[tuple[int, int]]:
+    """The projections a decode step runs, in order: each layer's four, then the vocabulary."""
+    layer = [SHAPES[name] for name in ("qkv", "o", "gate_up", "down")]
+    return layer * LAYERS + [SHAPES["vocab"]]
 
 
 def seconds_per_call(
@@ -38,20 +49,55 @@ def seconds_per_call(
     return (time.perf_counter() - start) / calls
 
 
+def seconds_per_step(layers: list[Callable[[torch.Tensor], torch.Tensor]], rows: int) -> float:
+    """Best of 10 passes through `layers` (each weight read once), after 3 warm-up passes."""
+    shapes = _step_shapes()
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {s[1] for s in shapes}}
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for layer, (_, in_features) in zip(layers, shapes, strict=True):
+            layer(inputs[in_features])
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        one_pass()
+    return min(one_pass() for _ in range(10))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
+    parser.add_argument("--no-tiles", dest="tiles", action="store_false")
+    parser.add_argument("--stream", action="store_true", help="a decode step's weights, cold")
     args = parser.parse_args()
     if not (load_kernels() and torch.ops.infercloud.has_linear_bf16()):
         raise SystemExit(f"no AVX512-BF16 linear kernel here: {load_error() or 'CPU lacks it'}")
-    print(f"threads {torch.get_num_threads()}")
+    tiles = args.tiles and bool(torch.ops.infercloud.has_linear_tiles())
+    print(f"threads {torch.get_num_threads()}, ours on {'AMX tiles' if tiles else 'vdpbf16ps'}")
+    if args.stream:
+        weights = [torch.randn(shape, dtype=torch.bfloat16) * 0.02 for shape in _step_shapes()]
+        megabytes = sum(w.numel() * 2 for w in weights) / 1e6
+        for rows in args.rows:
+            for name in ("oneDNN", "ours"):
+                layers: list[Callable[[torch.Tensor], torch.Tensor]] = [
+                    KernelLinear(w, use_tiles=args.tiles) if name == "ours" else PackedLinear(w)
+                    for w in weights
+                ]
+                with torch.inference_mode():
+                    seconds = seconds_per_step(layers, rows)
+                print(
+                    f"rows {rows:4d} decode step's linear layers ({megabytes:.0f} MB) {name:6s} "
+                    f"{seconds * 1e3:6.2f} ms, {megabytes / 1e3 / seconds:5.1f} GB/s"
+                )
+        return
     for rows in args.rows:
         for name, (out_features, in_features) in SHAPES.items():
             if name == "vocab" and rows > 64:
                 continue  # logits are computed for sampled rows only
             weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
             x = torch.randn(rows, in_features, dtype=torch.bfloat16)
-            onednn, ours = PackedLinear(weight), KernelLinear(weight)
+            onednn, ours = PackedLinear(weight), KernelLinear(weight, use_tiles=args.tiles)
             calls = 20 if name == "vocab" else 200
             t_onednn = seconds_per_call(onednn, x, calls)
             t_ours = seconds_per_call(ours, x, calls)

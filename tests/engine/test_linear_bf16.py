@@ -1,7 +1,7 @@
 """Our bfloat16 GEMM (`torch.ops.infercloud.linear_bf16`) against float32 arithmetic on the same
 bfloat16 inputs: each output is the float32 sum rounded once to bfloat16, so it may differ from
 the exactly rounded value by one unit in the last place (the float32 sum runs in another
-order), never by more."""
+order), never by more. Both paths: vdpbf16ps, and the AMX tile unit where this CPU has one."""
 
 from __future__ import annotations
 
@@ -32,9 +32,32 @@ def test_matches_float32_arithmetic_to_one_ulp(
 ) -> None:
     """Row counts below, at and past the 8-row blocks; odd in_features (a lone last k);
     out_features off the 16-column tiles (50) and off the 3-tile groups (48)."""
+    _check(rows, out_features, in_features, use_tiles=False)
+
+
+@pytest.mark.skipif(not (load_kernels() and ops.has_linear_tiles()), reason="no AMX tile unit")
+@pytest.mark.parametrize(
+    ("rows", "out_features", "in_features"),
+    [
+        (1, 960, 576),
+        (7, 576, 576),
+        (32, 3072, 576),
+        (32, 576, 1536),
+        (33, 50, 64),  # a full 32-row block and one padded row; 4 column tiles, the last partial
+        (513, 48, 64),  # 3 column tiles: the last pair of tiles is a single one
+        (13, 50, 37),  # k not a multiple of 32: the vdpbf16ps path serves it
+    ],
+)
+def test_tile_path_matches_float32_arithmetic_to_one_ulp(
+    rows: int, out_features: int, in_features: int
+) -> None:
+    _check(rows, out_features, in_features, use_tiles=True)
+
+
+def _check(rows: int, out_features: int, in_features: int, use_tiles: bool) -> None:
     x = _bf16(rows, in_features, seed=1)
     w = _bf16(out_features, in_features, seed=2) * 0.05
-    got = ops.linear_bf16(x, ops.pack_linear_bf16(w), out_features)
+    got = ops.linear_bf16(x, ops.pack_linear_bf16(w), out_features, use_tiles)
     exact = F.linear(x.double(), w.double())
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
     ulp = torch.finfo(torch.bfloat16).eps * exact.abs().clamp_min(1e-30)

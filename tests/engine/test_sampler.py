@@ -22,6 +22,22 @@ def test_greedy_is_argmax() -> None:
     assert out.token_ids == x.argmax(-1).tolist()
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
+    """Ties (the first wins), a NaN (it wins, as in argmax), a row of -inf; all rows greedy and
+    greedy rows mixed with a sampled one take the same path to the same ids."""
+    x = logits(n=5, vocab=64)
+    x[:, 10] = x[:, 40] = 100.0
+    x[1, 3] = 100.0
+    x[2, 50] = float("nan")
+    x[3] = float("-inf")
+    want = x.argmax(-1).tolist()
+    assert want[:4] == [10, 3, 50, 0]
+    greedy = row(SamplingParams(temperature=0))
+    assert sample(x.clone(), [greedy] * 5).token_ids == want
+    mixed = sample(x.clone(), [greedy] * 4 + [row(SamplingParams(temperature=1.0), seed=1)])
+    assert mixed.token_ids[:4] == want[:4]
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:
     x = logits()
     best = x.argmax(-1).tolist()

@@ -3,9 +3,11 @@
 Our bfloat16 GEMM (`KernelLinear`, `vdpbf16ps` on AVX512-BF16) and oneDNN's (`PackedLinear`)
 rank differently on different CPUs. On an AMD EPYC with AVX512-BF16 and no AMX, ours was
 1.1-2x faster at decode-sized row counts and even at 512 rows. On an Intel Xeon with AMX,
-oneDNN runs on the tile unit and ours was 2-4x slower at every row count (32-row up-projection:
-629 vs 144 us), which took the engine from 449 to 202 output tok/s. Instruction-set flags do
-not settle it, so `EngineConfig.linear_kernel="auto"` times both, once, at engine start.
+oneDNN runs on the tile unit, and ours, before it had a tile path of its own, was 2-4x slower
+at every row count (32-row up-projection: 629 vs 144 us), which took the engine from 449 to
+202 output tok/s. With its tile path ours leads there at decode sizes and trails oneDNN at 512
+rows on the up-projection. Instruction-set flags do not settle such races, so
+`EngineConfig.linear_kernel="auto"` times both, once, at engine start.
 
 The reference mix has as many prefill rows as decode rows: one call of `PREFILL_ROWS` rows
 plus `PREFILL_ROWS / DECODE_ROWS` calls of `DECODE_ROWS` rows, through each of a layer's four

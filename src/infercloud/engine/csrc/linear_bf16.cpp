@@ -13,9 +13,17 @@
 // even), as oneDNN's bfloat16 GEMM does; the float32 sums run in another order than oneDNN's,
 // so the last bit of an output can differ from F.linear's.
 //
-// Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, has_linear_bf16}; built
-// and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16, has_linear_bf16() is false and
-// the other two refuse.
+// On CPUs with AMX (the tile unit), the same packed layout feeds tile loads directly: 16 pairs of
+// one column tile are 16 rows of 64 bytes, one contiguous kilobyte, which is the B operand
+// tdpbf16ps takes. The tile path (`tiles=True`, where the CPU has AMX-BF16, the kernel grants
+// the process tile state, and K is a multiple of 32) runs 32 rows of x by 2 column tiles at a
+// time in the 8 tile registers: C[2][2] (float32 16x16) += A[2] (16 rows x 32 k) . B[2]; rows
+// past the last multiple of 32 are copied into a zero-padded block first. The tile unit flushes
+// denormal inputs and results to zero; the float32 sums run in yet another order.
+//
+// Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, has_linear_bf16,
+// has_linear_tiles}; built and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16,
+// has_linear_bf16() is false and the others refuse.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,12 +32,20 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
 #include "bf16_dot.h"
 #include "vec_math.h"
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFERCLOUD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -46,6 +62,21 @@ constexpr int64_t kPrefetchPairs = 16;
 bool has_linear_bf16() {
 #if defined(__AVX512BF16__)
   return true;
+#else
+  return false;
+#endif
+}
+
+// Whether the tile path can run in this process: built for AMX-BF16, and Linux has granted the
+// process the tile data state (asked once; a kernel without AMX support refuses).
+bool has_linear_tiles() {
+#if defined(INFERCLOUD_AMX)
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;
+    constexpr long kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
 #else
   return false;
 #endif
@@ -136,7 +167,125 @@ void rows_by_tiles(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
 }
 #endif  // __AVX512BF16__
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features) {
+#if defined(INFERCLOUD_AMX)
+constexpr int64_t kTileRows = 16;   // rows of an A or C tile
+constexpr int64_t kTileK = 32;      // k per tile step: 64 bytes of bfloat16 per A row
+constexpr int64_t kTileBlock = 32;  // rows of x per block: two A tiles
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0..3: C[i][j] (i: row tile, j: column tile); tmm4, tmm5: A[i]; tmm6, tmm7: B[j]. Every
+// tile is 16 rows of 64 bytes. Loaded in each thread before its work: oneDNN's kernels load
+// their own configuration on the same threads.
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// One block of 32 rows of x (row stride ldx) by NR (1 or 2) column tiles; rows_valid and
+// cols_valid bound what is written to y.
+template <int NR>
+void tile_block(const c10::BFloat16* x, int64_t ldx, int64_t k, const c10::BFloat16* w_tiles,
+                int64_t tile_stride, c10::BFloat16* y, int64_t ldy, int64_t rows_valid,
+                int64_t cols_valid) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (NR == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int64_t x_stride = ldx * 2, w_stride = 64;  // bytes
+  for (int64_t kk = 0; kk < k; kk += kTileK) {
+    const c10::BFloat16* w0 = w_tiles + kk * kTile;  // pair kk/2 of tile 0: (kk/2) * 32 elements
+    _tile_loadd(4, x + kk, x_stride);
+    _tile_loadd(5, x + kTileRows * ldx + kk, x_stride);
+    _tile_loadd(6, w0, w_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 5, 6);
+    if (NR == 2) {
+      _tile_loadd(7, w0 + tile_stride, w_stride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[kTileRows][kTile];
+  for (int j = 0; j < NR; ++j) {
+    const int64_t col = j * kTile;
+    if (col >= cols_valid) break;
+    const int64_t width = std::min(kTile, cols_valid - col);
+    for (int i = 0; i < 2; ++i) {
+      // tile numbers are immediates: C[i][j] is tmm(2j + i)
+      if (j == 0 && i == 0) _tile_stored(0, c, kTile * 4);
+      if (j == 0 && i == 1) _tile_stored(1, c, kTile * 4);
+      if (j == 1 && i == 0) _tile_stored(2, c, kTile * 4);
+      if (j == 1 && i == 1) _tile_stored(3, c, kTile * 4);
+      for (int64_t r = 0; r < kTileRows && i * kTileRows + r < rows_valid; ++r) {
+        c10::BFloat16* out = y + (i * kTileRows + r) * ldy + col;
+        if (width == kTile) {
+          infercloud_vec::store16(out, _mm512_load_ps(c[r]));
+        } else {
+          alignas(64) c10::BFloat16 buf[kTile];
+          infercloud_vec::store16(buf, _mm512_load_ps(c[r]));
+          std::memcpy(out, buf, width * sizeof(c10::BFloat16));
+        }
+      }
+    }
+  }
+}
+
+void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
+                  const c10::BFloat16* wp, int64_t tiles, int64_t tile_stride, c10::BFloat16* yp,
+                  int64_t out_features) {
+  // The last rows, short of a 32-row block, go through a zero-padded copy.
+  const int64_t full_blocks = rows / kTileBlock, tail = rows % kTileBlock;
+  std::vector<c10::BFloat16> padded;
+  if (tail != 0) {
+    padded.assign(kTileBlock * k, c10::BFloat16(0.0f));
+    for (int64_t r = 0; r < tail; ++r) {
+      std::memcpy(padded.data() + r * k, xp + (full_blocks * kTileBlock + r) * ldx,
+                  k * sizeof(c10::BFloat16));
+    }
+  }
+  const int64_t groups = (tiles + 1) / 2;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first_tile = g * 2;
+      const int64_t nr = std::min<int64_t>(2, tiles - first_tile);
+      const int64_t col = first_tile * kTile;
+      const int64_t valid = std::min(nr * kTile, out_features - col);
+      const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
+      for (int64_t b = 0; b <= full_blocks; ++b) {
+        const bool last = b == full_blocks;
+        if (last && tail == 0) break;
+        const c10::BFloat16* xb = last ? padded.data() : xp + b * kTileBlock * ldx;
+        const int64_t ld = last ? k : ldx;
+        const int64_t rows_valid = last ? tail : kTileBlock;
+        c10::BFloat16* yb = yp + b * kTileBlock * out_features + col;
+        if (nr == 2) {
+          tile_block<2>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
+        } else {
+          tile_block<1>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif  // INFERCLOUD_AMX
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       bool use_tiles) {
   TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
               "linear_bf16: x must be bfloat16 [rows, in_features], rows dense");
@@ -155,6 +304,12 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const c10::BFloat16* wp = packed.data_ptr<c10::BFloat16>();
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   const int64_t ldx = x.stride(0), tile_stride = pairs * 32;
+#if defined(INFERCLOUD_AMX)
+  if (use_tiles && k % kTileK == 0 && has_linear_tiles()) {
+    linear_tiles(xp, ldx, rows, k, wp, tiles, tile_stride, yp, out_features);
+    return y;
+  }
+#endif
   const int64_t groups = (tiles + kNR - 1) / kNR;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -181,7 +336,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.def("has_linear_bf16() -> bool", &has_linear_bf16);
   m.def("pack_linear_bf16(Tensor weight) -> Tensor");
-  m.def("linear_bf16(Tensor x, Tensor packed, int out_features) -> Tensor");
+  m.def("has_linear_tiles() -> bool", &has_linear_tiles);
+  m.def("linear_bf16(Tensor x, Tensor packed, int out_features, bool use_tiles=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
