@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep RMSNorm, rotary embedding and SiLU * up in plain torch on the CPU",
     )
     engine.add_argument(
+        "--no-stacked-layers",
+        dest="stacked_layers",
+        action="store_false",
+        help="run the decoder layers as a Python loop even where all of a layer runs on our "
+        "CPU kernels (else one C++ call)",
+    )
+    engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
         default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
@@ -244,6 +251,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         host_cache_load=args.host_cache_load,
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
+        stacked_layers=args.stacked_layers,
         linear_kernel=args.linear_kernel,
         prefill_attention=args.prefill_attention,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
@@ -265,7 +273,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: {linear}) "
+        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: {linear}"
+        f"{', layers stacked in C++' if llm.stacked_layers else ''}) "
         f"on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
-from infercloud.engine.linear_choice import LinearTimes, layer_shapes, time_linear_paths
+from infercloud.engine.linear_choice import LinearTimes, time_linear_paths
+from infercloud.engine.llama import DecoderLayer, LlamaModel
 from infercloud.engine.llm import LLM
 from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.packed_linear import KernelLinear, PackedLinear
@@ -21,40 +22,65 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def test_layer_shapes_are_the_decoder_layers_projections(real_model_dir: Path) -> None:
-    config = ModelConfig.from_folder(real_model_dir)
+def test_the_timed_weights_are_the_first_layers_projections(
+    real_model_dir: Path, tiny_model_dir: Path
+) -> None:
+    with torch.device("meta"):
+        smollm = LlamaModel(ModelConfig.from_folder(real_model_dir))
     # SmolLM2-135M: 9 heads and 3 KV heads of 64, hidden 576, intermediate 1536
-    assert layer_shapes(config) == [(960, 576), (576, 576), (3072, 576), (1536, 576)]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    assert [tuple(w.shape) for w in smollm.projection_weights(2)] == shapes * 2
+    tiny = LlamaModel(ModelConfig.from_folder(tiny_model_dir))
+    layer = tiny.layers[1]
+    assert isinstance(layer, DecoderLayer)
+    want = [layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+    want += [layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    got = tiny.projection_weights(5)  # the tiny model has 2 layers
+    assert len(got) == 8
+    assert [w.data_ptr() for w in got[4:]] == [p.weight.data_ptr() for p in want]
 
 
-def _scripted_clock(kernel_pass_s: list[float], other_pass_s: list[float]) -> Iterator[float]:
+def _scripted_clock(
+    kernel_passes: list[tuple[float, float]], other_passes: list[tuple[float, float]]
+) -> Iterator[float]:
     """Readings for passes in the order `time_linear_paths` runs them: a warm-up of each path,
-    then kernel and other alternately; each pass reads the clock at its start and end."""
+    then kernel and other alternately; a pass is a prefill sweep and a decode sweep, each
+    reading the clock at its start and end."""
     now = 0.0
-    order = [kernel_pass_s[0], other_pass_s[0]]
-    for k, o in zip(kernel_pass_s[1:], other_pass_s[1:], strict=True):
+    order = [kernel_passes[0], other_passes[0]]
+    for k, o in zip(kernel_passes[1:], other_passes[1:], strict=True):
         order += [k, o]
-    for seconds in order:
-        yield now
-        now += seconds
-        yield now
+    for sweeps in order:
+        for seconds in sweeps:
+            yield now
+            now += seconds
+            yield now
 
 
 @pytest.mark.parametrize(
-    ("kernel_pass_s", "other_pass_s", "kernel_wins"),
+    ("kernel_passes", "other_passes", "kernel_wins"),
     [
-        ([9.0, 3.0, 2.0, 4.0], [9.0, 5.0, 6.0, 2.5], True),  # best 2.0 vs 2.5
-        ([1.0, 3.0, 2.75, 4.0], [9.0, 5.0, 2.5, 2.625], False),  # warm-ups do not count
+        # (prefill sweep, decode sweep): a pass counts its decode sweep 512 / 32 = 16 times
+        ([(9, 9), (1, 0.25), (2, 0.125), (1, 0.5)], [(9, 9), (2, 0.25), (1.5, 0.25), (3, 1)], True),
+        # best kernel pass 3.0 + 16 * 0.0625 = 4.0; other 1.0 + 16 * 0.125 = 3.0
+        ([(0, 0), (3, 0.0625), (4, 1), (5, 1)], [(9, 9), (5, 1), (1, 0.125), (2, 2)], False),
     ],
 )
 def test_the_best_timed_pass_of_each_path_decides(
-    kernel_pass_s: list[float], other_pass_s: list[float], kernel_wins: bool
+    kernel_passes: list[tuple[float, float]],
+    other_passes: list[tuple[float, float]],
+    kernel_wins: bool,
 ) -> None:
-    readings = _scripted_clock(kernel_pass_s, other_pass_s)
-    times = time_linear_paths([(32, 16)], packed_other=False, clock=lambda: next(readings))
-    assert times == LinearTimes(min(kernel_pass_s[1:]), min(other_pass_s[1:]))
+    readings = _scripted_clock(kernel_passes, other_passes)
+    weights = [torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16)]
+    times = time_linear_paths(weights, packed_other=False, clock=lambda: next(readings))
+
+    def best(passes: list[tuple[float, float]]) -> float:
+        return min(prefill + 16 * decode for prefill, decode in passes[1:])
+
+    assert times == LinearTimes(best(kernel_passes), best(other_passes))
     assert times.kernel_wins is kernel_wins
-    assert next(readings, None) is None  # every pass was timed, none twice
+    assert next(readings, None) is None  # every sweep was timed, none twice
 
 
 def _linear_types(llm: LLM) -> set[type]:

@@ -54,6 +54,11 @@ class EngineConfig:
     fused_layer_ops: bool = True
     """On the CPU, run each layer's element-wise parts (residual add + RMSNorm, rotary
     embedding, SiLU * up) as our fused C++ operators where they build (`cpu_kernels.py`)."""
+    stacked_layers: bool = True
+    """On the CPU, where the linear layers, the element-wise ops and both attentions all run on
+    our kernels, run the decoder layers as one C++ call (`csrc/decoder_stack.cpp`: the same
+    operators in the same order, the same results) instead of a Python loop of ~20 operator
+    calls per layer."""
     decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
     """With torch decode attention, decoding requests attend in groups of similar context
     length; a group costs about this many tokens of padded attention in fixed work

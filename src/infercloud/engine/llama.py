@@ -10,13 +10,17 @@ positions; only the rows named by `logits_rows` go through the vocabulary projec
 
 With `use_fused_ops()` (CPU, once `cpu_kernels.load_kernels()` succeeded) the element-wise
 parts run as our fused operators: the residual add with the next RMSNorm, rotary embedding in
-place, SiLU(gate) * up; each rounds as the plain-torch code below does.
+place, SiLU(gate) * up; each rounds as the plain-torch code below does. With `use_stack()` as
+well (every linear layer a `KernelLinear`), a step whose attention all goes through our kernels
+runs the whole layer loop as one C++ call (`csrc/decoder_stack.cpp`), the same operators in the
+same order.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +28,7 @@ from torch import nn
 
 from infercloud.engine.attention import AttentionMetadata, paged_attention
 from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.packed_linear import KernelLinear
 
 
 class RMSNorm(nn.Module):
@@ -154,6 +159,60 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         """With tied embeddings its weight is the embedding table's (`_assign` ties them)."""
         self.fused = False
+        self.stack: Any = None
+        """The layers as one C++ object (`use_stack`), over `stack_caches`."""
+        self.stack_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._no_rows = torch.empty(0, dtype=torch.int32)
+
+    def projection_weights(self, num_layers: int) -> list[torch.Tensor]:
+        """The plain weights of the first `num_layers` layers' projections (qkv, o, gate_up,
+        down of each), in the order a step runs them."""
+        weights = []
+        for layer in list(self.layers)[:num_layers]:
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            for projection in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                assert isinstance(projection, nn.Linear), "weights already packed"
+                weights.append(projection.weight.detach())
+        return weights
+
+    def use_stack(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Run the decoder layers as one `torch.classes.infercloud.DecoderStack` call in steps
+        over `kv_caches` whose attention all goes through our kernels (the caller has called
+        `use_fused_ops()` and packed every projection as a `KernelLinear`)."""
+        if not self.fused:
+            raise ValueError("use_stack needs use_fused_ops first")
+        c = self.config
+        stack = torch.classes.infercloud.DecoderStack(
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.hidden_size,
+            c.intermediate_size,
+            c.rms_norm_eps,
+            c.head_dim**-0.5,
+            True,
+        )
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            assert isinstance(layer, DecoderLayer)
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            packed = []
+            for projection in projections:
+                if not isinstance(projection, KernelLinear):
+                    raise ValueError("use_stack needs every projection to be a KernelLinear")
+                packed.append(projection.packed_weight)
+            stack.add_layer(
+                layer.input_layernorm.weight.detach(),
+                packed[0],
+                packed[1],
+                layer.post_attention_layernorm.weight.detach(),
+                packed[2],
+                packed[3],
+                k_cache,
+                v_cache,
+            )
+        self.stack, self.stack_caches = stack, kv_caches
 
     def use_fused_ops(self) -> None:
         """Run the element-wise parts through `torch.ops.infercloud.*` (loaded by the caller)."""
@@ -174,7 +233,8 @@ class LlamaModel(nn.Module):
         """Returns float32 logits `[len(logits_rows), vocab_size]`."""
         hidden = self.embed_tokens(input_ids)
         if self.fused:
-            hidden = self._layers_fused(hidden, positions, kv_caches, meta)
+            if not self._layers_stacked(hidden, positions, kv_caches, meta):
+                hidden = self._layers_fused(hidden, positions, kv_caches, meta)
             last = self.norm(hidden.index_select(0, logits_rows))
             return self.lm_head(last).float()  # type: ignore[no-any-return]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
@@ -186,6 +246,42 @@ class LlamaModel(nn.Module):
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = self.norm(hidden.index_select(0, logits_rows))
         return self.lm_head(last).float()  # type: ignore[no-any-return]
+
+    def _layers_stacked(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> bool:
+        """Run the layers through the C++ stack (updating `hidden` in place) if this step can:
+        decodes in rows 0.., prefill chunks after them, all through our kernels."""
+        if self.stack is None or kv_caches is not self.stack_caches:
+            return False
+        if meta.decodes or meta.prefills:
+            return False
+        decode, prefill = meta.paged_decode, meta.paged_prefill
+        num_decode = decode.num_seqs if decode is not None else 0
+        num_prefill = prefill.num_rows if prefill is not None else 0
+        if prefill is not None and prefill.row_start != num_decode:
+            return False
+        if num_decode + num_prefill != hidden.shape[0]:
+            return False
+        none = self._no_rows
+        self.stack.forward(
+            hidden,
+            positions,
+            self.rotary.cos,
+            self.rotary.sin,
+            meta.write_rows,
+            num_decode,
+            decode.block_tables if decode is not None else none,
+            decode.context_lens if decode is not None else none,
+            prefill.block_tables if prefill is not None else none,
+            prefill.starts if prefill is not None else none,
+            prefill.lens if prefill is not None else none,
+        )
+        return True
 
     def _layers_fused(
         self,

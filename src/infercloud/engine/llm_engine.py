@@ -27,7 +27,7 @@ from infercloud.engine.config import EngineConfig
 from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.detokenizer import IncrementalDetokenizer
 from infercloud.engine.host_kv_store import HostKVStore, host_slots_for_bytes
-from infercloud.engine.linear_choice import LinearTimes, layer_shapes, time_linear_paths
+from infercloud.engine.linear_choice import LinearTimes
 from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.model_runner import (
     ModelRunner,
@@ -36,7 +36,6 @@ from infercloud.engine.model_runner import (
     resolve_dtype,
 )
 from infercloud.engine.outputs import RequestOutput
-from infercloud.engine.packed_linear import can_pack
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampler import TokenLogprobs
@@ -178,15 +177,9 @@ class LLMEngine:
             config.device,
             dtype,
         )
-        """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN)."""
-        self.linear_times: LinearTimes | None = None
-        """With "auto" where both can run: both paths timed on this model's shapes."""
-        if self.linear_kernel and config.linear_kernel == "auto":
-            self.linear_times = time_linear_paths(
-                layer_shapes(self.model_config),
-                packed_other=config.packed_linear and can_pack(torch.device(config.device), dtype),
-            )
-            self.linear_kernel = self.linear_times.kernel_wins
+        """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN); with "auto"
+        where ours can run, settled by timing both once the weights are loaded."""
+        time_linear = self.linear_kernel and config.linear_kernel == "auto"
         head_dim = self.model_config.head_dim
         self.prefill_kernel = _use_bf16_kernel(
             "prefill_attention",
@@ -230,12 +223,18 @@ class LLMEngine:
             torch.device(config.device),
             seed=config.seed,
             packed_linear=config.packed_linear,
-            linear_kernel=self.linear_kernel,
+            linear_kernel=None if time_linear else self.linear_kernel,
             prefill_kernel=self.prefill_kernel,
             decode_group_overhead_tokens=config.decode_group_overhead_tokens,
             decode_kernel=self.decode_kernel,
             fused_ops=self.fused_ops,
+            stacked_layers=config.stacked_layers,
         )
+        self.linear_kernel = self.runner.linear_kernel
+        self.linear_times: LinearTimes | None = self.runner.linear_times
+        """With "auto" where both can run: both paths timed on this model's weights."""
+        self.stacked_layers = self.runner.stacked_layers
+        """Whether the decoder layers run as one C++ call (`EngineConfig.stacked_layers`)."""
         self.second_tier = self._second_tier(config, num_blocks)
         self.kv_cache.second_tier = self.second_tier
         self._tracked: dict[str, _Tracked] = {}

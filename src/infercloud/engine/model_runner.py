@@ -26,6 +26,7 @@ from infercloud.engine.attention import (
 from infercloud.engine.config import DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
 from infercloud.engine.decode_groups import decode_groups
 from infercloud.engine.host_allocator import keep_freed_memory
+from infercloud.engine.linear_choice import LAYERS_TIMED, LinearTimes, time_linear_paths
 from infercloud.engine.llama import LlamaModel
 from infercloud.engine.model_config import ModelConfig
 from infercloud.engine.packed_linear import can_pack, pack_linears
@@ -77,18 +78,21 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         packed_linear: bool = True,
-        linear_kernel: bool = False,
+        linear_kernel: bool | None = False,
         prefill_kernel: bool = False,
         decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
         decode_kernel: bool = False,
         fused_ops: bool = False,
+        stacked_layers: bool = False,
     ) -> None:
         """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
         operators; `prefill_kernel`: prefill chunks through
         `torch.ops.infercloud.paged_prefill_attention`, else gathered and through matmuls;
         `linear_kernel`: linear layers through our bfloat16 GEMM, else oneDNN's where
-        `packed_linear` (for any of these, the caller has loaded the kernels:
+        `packed_linear`; None: whichever of the two is faster on this model's weights here
+        (`linear_choice.py`); `stacked_layers`: the decoder layers as one C++ call where all
+        four of the above are on (for any of these, the caller has loaded the kernels:
         `cpu_kernels.load_kernels()`)."""
         if device.type == "cpu":
             keep_freed_memory()
@@ -103,6 +107,16 @@ class ModelRunner:
         self.model = model.to(dtype=dtype).eval()
         # RoPE tables are float32 whatever the weights' dtype (to() above cast them).
         self.model.rotary.reset_tables()
+        self.linear_times: LinearTimes | None = None
+        """With `linear_kernel=None`: both paths timed on this model's weights."""
+        if linear_kernel is None:
+            self.linear_times = time_linear_paths(
+                self.model.projection_weights(LAYERS_TIMED),
+                packed_other=packed_linear and can_pack(device, dtype),
+            )
+            linear_kernel = self.linear_times.kernel_wins
+        self.linear_kernel = linear_kernel
+        """Whether the linear layers run on our GEMM."""
         if linear_kernel:
             pack_linears(self.model, kernel=True)
         elif packed_linear and can_pack(device, dtype):
@@ -116,6 +130,12 @@ class ModelRunner:
         # uninitialized memory may hold NaN, which would survive that product.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self.stacked_layers = (
+            stacked_layers and linear_kernel and fused_ops and decode_kernel and prefill_kernel
+        )
+        """Whether the decoder layers run as one C++ call."""
+        if self.stacked_layers:
+            self.model.use_stack(self.kv_caches)
         self.group = config.num_heads // config.num_kv_heads
         self.decode_group_overhead_tokens = decode_group_overhead_tokens
         self.decode_kernel = decode_kernel

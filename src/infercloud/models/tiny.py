@@ -28,8 +28,12 @@ _CORPUS = [
 ]
 
 
-def build_tiny_llama(folder: Path, seed: int = 0, vocab_size: int = 512) -> Path:
-    """Write a complete Hugging Face folder to `folder` (overwriting) and return it."""
+def build_tiny_llama(
+    folder: Path, seed: int = 0, vocab_size: int = 512, head_dim: int = 16
+) -> Path:
+    """Write a complete Hugging Face folder to `folder` (overwriting) and return it: 2 layers,
+    4 query heads and 2 KV heads of `head_dim` (16: hidden size 64; 32 fits our CPU prefill
+    kernel)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -63,8 +67,8 @@ def build_tiny_llama(folder: Path, seed: int = 0, vocab_size: int = 512) -> Path
 
     config = LlamaConfig(
         vocab_size=tok.get_vocab_size(),
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=8 * head_dim,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -183,12 +183,19 @@ struct alignas(64) TileConfig {
 // tmm0..3: C[i][j] (i: row tile, j: column tile); tmm4, tmm5: A[i]; tmm6, tmm7: B[j]. Every
 // tile is 16 rows of 64 bytes. Loaded in each thread before its work: oneDNN's kernels load
 // their own configuration on the same threads.
-void configure_tiles() {
+TileConfig tile_config() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     config.rows[t] = kTileRows;
     config.colsb[t] = 64;
   }
+  return config;
+}
+
+void configure_tiles() {
+  // A static object, not a local: GCC 12 does not see that ldtilecfg reads its operand and
+  // dropped the stores that filled a local configuration (the load then faulted).
+  static const TileConfig config = tile_config();
   _tile_loadconfig(&config);
 }
 
@@ -257,28 +264,29 @@ void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
     }
   }
   const int64_t groups = (tiles + 1) / 2;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    configure_tiles();
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first_tile = g * 2;
-      const int64_t nr = std::min<int64_t>(2, tiles - first_tile);
-      const int64_t col = first_tile * kTile;
-      const int64_t valid = std::min(nr * kTile, out_features - col);
-      const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
-      for (int64_t b = 0; b <= full_blocks; ++b) {
-        const bool last = b == full_blocks;
-        if (last && tail == 0) break;
-        const c10::BFloat16* xb = last ? padded.data() : xp + b * kTileBlock * ldx;
-        const int64_t ld = last ? k : ldx;
-        const int64_t rows_valid = last ? tail : kTileBlock;
-        c10::BFloat16* yb = yp + b * kTileBlock * out_features + col;
-        if (nr == 2) {
-          tile_block<2>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
-        } else {
-          tile_block<1>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
-        }
+  auto one_group = [&](int64_t g) {
+    const int64_t first_tile = g * 2;
+    const int64_t nr = std::min<int64_t>(2, tiles - first_tile);
+    const int64_t col = first_tile * kTile;
+    const int64_t valid = std::min(nr * kTile, out_features - col);
+    const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
+    for (int64_t b = 0; b <= full_blocks; ++b) {
+      const bool last = b == full_blocks;
+      if (last && tail == 0) break;
+      const c10::BFloat16* xb = last ? padded.data() : xp + b * kTileBlock * ldx;
+      const int64_t ld = last ? k : ldx;
+      const int64_t rows_valid = last ? tail : kTileBlock;
+      c10::BFloat16* yb = yp + b * kTileBlock * out_features + col;
+      if (nr == 2) {
+        tile_block<2>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
+      } else {
+        tile_block<1>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
       }
     }
+  };
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    configure_tiles();
+    for (int64_t g = begin; g < end; ++g) one_group(g);
     _tile_release();
   });
 }
