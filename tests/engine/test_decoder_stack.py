@@ -68,3 +68,31 @@ def test_every_step_of_a_stacked_engine_runs_the_stack(model_dir: Path) -> None:
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     out = llm.generate([[5, 6, 7] * 30, [9] * 3], params)
     assert [len(o.token_ids) for o in out] == [8, 8]
+
+
+def test_a_write_row_outside_the_cache_is_refused_before_anything_is_written(
+    model_dir: Path,
+) -> None:
+    llm, _ = _run(model_dir, stacked=True)
+    model = llm.engine.runner.model
+    cache = llm.engine.runner.kv_cache
+    before = cache.clone()
+    hidden = torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)
+    rows = cache.shape[2] * cache.shape[3]  # rows of one layer's key cache
+    write_rows = torch.tensor([0, rows], dtype=torch.long)  # 2 KV heads, one token
+    none = torch.empty(0, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="write row"):
+        model.stack.forward(
+            hidden,
+            torch.zeros(1, dtype=torch.long),
+            model.rotary.cos,
+            model.rotary.sin,
+            write_rows,
+            0,
+            none,
+            none,
+            none,
+            none,
+            none,
+        )
+    assert torch.equal(cache, before)

@@ -95,6 +95,8 @@ class DecoderStack : public torch::CustomClassHolder {
   // block_size, head_dim], the model runner's.
   void add_layer(at::Tensor input_norm, at::Tensor qkv, at::Tensor o, at::Tensor post_norm,
                  at::Tensor gate_up, at::Tensor down, at::Tensor k_cache, at::Tensor v_cache) {
+    TORCH_CHECK(layers_.empty() || k_cache.sizes() == layers_[0].k_cache.sizes(),
+                "DecoderStack: every layer's cache must have the same shape");
     TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.dim() == 3 &&
                     k_cache.size(2) == head_dim_ && k_cache.is_contiguous() &&
                     v_cache.is_contiguous(),
@@ -121,6 +123,14 @@ class DecoderStack : public torch::CustomClassHolder {
     TORCH_CHECK(write_rows.scalar_type() == at::kLong && write_rows.is_contiguous() &&
                     write_rows.numel() == num_kv_heads_ * tokens,
                 "DecoderStack.forward: write_rows must be int64 [num_kv_heads * tokens]");
+    if (!layers_.empty()) {  // every layer's cache has the first one's shape (one pool)
+      const int64_t cache_rows = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
+      const int64_t* rows = write_rows.data_ptr<int64_t>();
+      for (int64_t j = 0; j < write_rows.numel(); ++j) {
+        TORCH_CHECK(rows[j] >= 0 && rows[j] < cache_rows, "DecoderStack: write row ", rows[j],
+                    " is not in [0, ", cache_rows, ")");
+      }
+    }
     const int64_t num_prefill = tokens - num_decode;
     const Ops& op = ops();
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
@@ -167,13 +177,8 @@ class DecoderStack : public torch::CustomClassHolder {
   void write_kv(const at::Tensor& qkv, int64_t q_size, const at::Tensor& write_rows,
                 Layer& layer) const {
     const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0);
-    const int64_t kv_size = num_kv_heads_ * head_dim_, cache_rows = layer.k_cache.size(0) *
-                                                                    layer.k_cache.size(1);
-    const int64_t* rows = write_rows.data_ptr<int64_t>();
-    for (int64_t j = 0; j < num_kv_heads_ * tokens; ++j) {
-      TORCH_CHECK(rows[j] >= 0 && rows[j] < cache_rows, "DecoderStack: write row ", rows[j],
-                  " is not in [0, ", cache_rows, ")");
-    }
+    const int64_t kv_size = num_kv_heads_ * head_dim_;
+    const int64_t* rows = write_rows.data_ptr<int64_t>();  // checked by forward
     const size_t bytes = head_dim_ * qkv.element_size();
     const char* src = static_cast<const char*>(qkv.data_ptr());
     char* k_dst = static_cast<char*>(layer.k_cache.data_ptr());
