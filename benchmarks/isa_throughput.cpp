@@ -1,0 +1,44 @@
+// Peak throughput of one core's AVX-512 units: 16 independent chains of vdpbf16ps (the
+// instruction our vdpbf16ps GEMM and attention kernels are built on) and of vfmadd231ps on zmm
+// registers, so that latency does not bound either. Tells whether a machine's AVX-512 path or
+// its AMX tile unit should carry the bfloat16 work.
+//
+//     g++ -O2 -march=native benchmarks/isa_throughput.cpp -o /tmp/isa && /tmp/isa
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+
+int main() {
+  constexpr int kChains = 16;
+  constexpr long kRounds = 200000000;
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_setzero_ps();
+  __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const __m512bh b = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  auto start = std::chrono::steady_clock::now();
+  for (long i = 0; i < kRounds; ++i) {
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], a, b);
+    asm volatile("" : "+v"(a));  // keeps the loop from being folded
+  }
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  float sink = 0;
+  for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  std::printf("vdpbf16ps zmm: %.2f G/s, %.0f GFLOP/s per core\n", kRounds * kChains / seconds / 1e9,
+              kRounds * kChains * 64.0 / seconds / 1e9);
+
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 x = _mm512_set1_ps(0.5f);
+  const __m512 y = _mm512_set1_ps(0.25f);
+  start = std::chrono::steady_clock::now();
+  for (long i = 0; i < kRounds; ++i) {
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], x, y);
+    asm volatile("" : "+v"(x));
+  }
+  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 0; i < kChains; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  std::printf("vfmadd231ps zmm: %.2f G/s, %.0f GFLOP/s per core (%g)\n",
+              kRounds * kChains / seconds / 1e9, kRounds * kChains * 32.0 / seconds / 1e9,
+              static_cast<double>(sink > 0));
+  return 0;
+}
