@@ -3,7 +3,7 @@
 Prefills all requests, then runs 10 decode steps under cProfile and prints where time goes.
 
     .venv/bin/python benchmarks/decode_profile.py [--dtype bfloat16] [--decode-attention torch]
-        [--linear-kernel onednn] [--torch-profiler]
+        [--linear-kernel onednn] [--torch-profiler] [--sort cumtime]
 """
 
 from __future__ import annotations
