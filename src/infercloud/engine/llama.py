@@ -182,6 +182,17 @@ class LlamaModel(nn.Module):
         `use_fused_ops()` and packed every projection as a `KernelLinear`)."""
         if not self.fused:
             raise ValueError("use_stack needs use_fused_ops first")
+        layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        kernels: list[list[KernelLinear]] = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            kernels.append([p for p in projections if isinstance(p, KernelLinear)])
+            if len(kernels[-1]) != len(projections):
+                raise ValueError("use_stack needs every projection to be a KernelLinear")
+        tiles = {k.use_tiles for row in kernels for k in row}
+        if len(tiles) != 1:
+            raise ValueError("use_stack needs the same use_tiles in every projection")
         c = self.config
         stack = torch.classes.infercloud.DecoderStack(
             c.num_heads,
@@ -191,17 +202,10 @@ class LlamaModel(nn.Module):
             c.intermediate_size,
             c.rms_norm_eps,
             c.head_dim**-0.5,
-            True,
+            tiles.pop(),
         )
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            assert isinstance(layer, DecoderLayer)
-            attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            packed = []
-            for projection in projections:
-                if not isinstance(projection, KernelLinear):
-                    raise ValueError("use_stack needs every projection to be a KernelLinear")
-                packed.append(projection.packed_weight)
+        for layer, row, (k_cache, v_cache) in zip(layers, kernels, kv_caches, strict=True):
+            packed = [k.packed_weight for k in row]
             stack.add_layer(
                 layer.input_layernorm.weight.detach(),
                 packed[0],

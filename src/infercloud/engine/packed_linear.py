@@ -19,7 +19,8 @@ qkv projection 56 -> 39 us, the down projection 83 -> 59 us; at 512 rows both ru
 1 TFLOP/s. Outputs can differ from oneDNN's in the last bit (another summation order). On a
 CPU with AMX, ours runs on the tile unit too (same packed layout): measured on an Intel Xeon
 with AMX (2 cores), the linear layers of a 32-row decode step, weights streamed from memory,
-took 14.9 ms against oneDNN's 22.3 (our vdpbf16ps path: 48.1). `linear_choice.py` times ours
+took 16.4 ms against oneDNN's 23.6 (our vdpbf16ps path: 56.6; `benchmarks/linear_kernel.py
+--stream`). `linear_choice.py` times ours
 against oneDNN at engine start and keeps the faster.
 """
 

@@ -57,9 +57,9 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         chosen = logits.max(dim=-1).indices
     else:
         chosen = torch.empty(num_rows, dtype=torch.long)
-    if greedy_rows and len(greedy_rows) < num_rows:
-        index = torch.tensor(greedy_rows)
-        chosen[index] = logits.index_select(0, index).max(dim=-1).indices
+        if greedy_rows:
+            index = torch.tensor(greedy_rows)
+            chosen[index] = logits.index_select(0, index).max(dim=-1).indices
     for i, row in enumerate(rows):
         if not row.params.greedy:
             chosen[i] = _draw(logits[i], row.params, row.generator)

@@ -18,7 +18,6 @@
 // them out. Registered as the TorchScript class torch.classes.infercloud.DecoderStack.
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -106,8 +105,6 @@ class DecoderStack : public torch::CustomClassHolder {
                             std::move(k_cache), std::move(v_cache)});
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
   // hidden [T, hidden_size] (updated in place: the residual stream after the last layer);
   // positions int64 [T]; write_rows int64 [num_kv_heads * T], head major (the cache row of each
   // new key and value); decode_* for rows 0 .. num_decode-1 (empty when none), prefill_* for
@@ -194,7 +191,7 @@ class DecoderStack : public torch::CustomClassHolder {
     }
   }
 
-  at::Tensor decode(const at::Tensor& q, int64_t rows, Layer& layer,
+  at::Tensor decode(const at::Tensor& q, int64_t rows, const Layer& layer,
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     int64_t num_blocks) const {
     const at::Tensor out = ops().decode_attention.call(
@@ -203,7 +200,7 @@ class DecoderStack : public torch::CustomClassHolder {
     return out.view({rows, num_heads_ * head_dim_});
   }
 
-  at::Tensor prefill(const at::Tensor& q, int64_t start, int64_t rows, Layer& layer,
+  at::Tensor prefill(const at::Tensor& q, int64_t start, int64_t rows, const Layer& layer,
                      const at::Tensor& block_tables, const at::Tensor& starts,
                      const at::Tensor& lens, int64_t num_blocks) const {
     const at::Tensor out = ops().prefill_attention.call(
@@ -224,6 +221,5 @@ TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.class_<DecoderStack>("DecoderStack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("num_layers", &DecoderStack::num_layers)
       .def("forward", &DecoderStack::forward);
 }
