@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.sampler import SamplingRow, sample
 from infercloud.engine.sampling_params import SamplingParams
 
@@ -36,6 +38,36 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
     assert sample(x.clone(), [greedy] * 5).token_ids == want
     mixed = sample(x.clone(), [greedy] * 4 + [row(SamplingParams(temperature=1.0), seed=1)])
     assert mixed.token_ids[:4] == want[:4]
+    if load_kernels():
+        assert sample(x.clone(), [greedy] * 5, greedy_kernel=True).token_ids == want
+        mixed = sample(
+            x.clone(),
+            [greedy] * 4 + [row(SamplingParams(temperature=1.0), seed=1)],
+            greedy_kernel=True,
+        )
+        assert mixed.token_ids[:4] == want[:4]
+
+
+@pytest.mark.skipif(not load_kernels(), reason=f"CPU kernels: {load_error()}")
+@pytest.mark.parametrize("width", [1, 7, 16, 17, 33, 49152])
+def test_greedy_kernel_agrees_with_max_indices(width: int) -> None:
+    """Ties among few distinct values, NaNs early and late, +inf, rows of -inf, widths around
+    the kernel's 16 lanes and its tail: the same index as `max(dim=-1).indices`."""
+    generator = torch.Generator().manual_seed(width)
+    for trial in range(40):
+        x = torch.randint(-3, 4, (6, width), generator=generator).float()
+        noise = torch.rand(x.shape, generator=generator)
+        if trial % 4 == 1:
+            x[noise < 0.05] = float("nan")
+        elif trial % 4 == 2:
+            x[noise < 0.3] = float("inf")
+        elif trial % 4 == 3:
+            x[:3] = float("-inf")
+        got = torch.ops.infercloud.greedy_tokens(x)
+        assert torch.equal(got, x.max(dim=-1).indices), (trial, x, got)
+    x = torch.zeros(2, width)
+    x[1, -1] = float("nan")  # a NaN in the last lane or the tail still wins
+    assert torch.ops.infercloud.greedy_tokens(x).tolist() == [0, width - 1]
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

@@ -93,7 +93,8 @@ class ModelRunner:
         `packed_linear`; None: whichever of the two is faster on this model's weights here
         (`linear_choice.py`); `stacked_layers`: the decoder layers as one C++ call where all
         four of the above are on (for any of these, the caller has loaded the kernels:
-        `cpu_kernels.load_kernels()`)."""
+        `cpu_kernels.load_kernels()`). With `fused_ops`, greedy rows are also chosen by our
+        argmax operator (`csrc/greedy_tokens.cpp`)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -121,6 +122,7 @@ class ModelRunner:
             pack_linears(self.model, kernel=True)
         elif packed_linear and can_pack(device, dtype):
             pack_linears(self.model)
+        self.fused_ops = fused_ops
         if fused_ops:
             self.model.use_fused_ops()
         self.num_blocks = num_blocks
@@ -205,7 +207,7 @@ class ModelRunner:
             )
             for c in sampled
         ]
-        return StepResult(sampled, sample(logits.cpu(), rows))
+        return StepResult(sampled, sample(logits.cpu(), rows, greedy_kernel=self.fused_ops))
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator:
         if seed is None:

@@ -39,8 +39,12 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """logits: float32 `[len(rows), vocab]`."""
+def sample(
+    logits: torch.Tensor, rows: list[SamplingRow], greedy_kernel: bool = False
+) -> SamplerOutput:
+    """logits: float32 `[len(rows), vocab]`. `greedy_kernel`: greedy rows through
+    `torch.ops.infercloud.greedy_tokens` (the caller has loaded the CPU kernels; same indices
+    as `max(dim).indices`)."""
     num_rows, vocab = logits.shape
     want_logprobs = [r.params.logprobs is not None for r in rows]
     raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
@@ -51,15 +55,17 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
             logits[i, ids] = float("-inf")
 
     # Greedy rows take `max(dim).indices`: the same index as `argmax` (the first maximum; NaN
-    # wins), and on the CPU 3x faster (32 rows of 49152: 0.48 vs 1.39 ms here).
+    # wins), and on the CPU 3x faster (32 rows of 49152: 0.48 vs 1.39 ms on a Xeon); our
+    # kernel's is faster again (in a decode step of 32 on an EPYC: 0.13 ms against 0.89).
+    argmax = torch.ops.infercloud.greedy_tokens if greedy_kernel else _max_indices
     greedy_rows = [i for i, r in enumerate(rows) if r.params.greedy]
     if len(greedy_rows) == num_rows:
-        chosen = logits.max(dim=-1).indices
+        chosen = argmax(logits)
     else:
         chosen = torch.empty(num_rows, dtype=torch.long)
         if greedy_rows:
             index = torch.tensor(greedy_rows)
-            chosen[index] = logits.index_select(0, index).max(dim=-1).indices
+            chosen[index] = argmax(logits.index_select(0, index))
     for i, row in enumerate(rows):
         if not row.params.greedy:
             chosen[i] = _draw(logits[i], row.params, row.generator)
@@ -77,6 +83,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         token = token_ids[i]
         logprobs.append(TokenLogprobs(token, float(raw_logprobs[i, token]), top))
     return SamplerOutput(token_ids, logprobs)
+
+
+def _max_indices(logits: torch.Tensor) -> torch.Tensor:
+    return logits.max(dim=-1).indices
 
 
 def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

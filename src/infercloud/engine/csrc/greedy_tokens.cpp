@@ -1,0 +1,85 @@
+// Greedy sampling's choice for every row of float32 logits: the index of the row's maximum,
+// with torch's tie and NaN rules (`logits.max(dim=-1).indices`): the first of equal maxima
+// wins, a NaN beats every number (the first NaN wins), and a row of -inf gives 0.
+//
+// aten's max over 32 rows of 49152 took 0.89 ms of a ~21 ms decode step on a 2-core EPYC, this
+// 0.13 ms (hot, outside the engine: 0.41 vs 0.11 ms): the rows are split over the threads and
+// each is scanned 16 lanes at a time.
+//
+// Registered as torch.ops.infercloud.greedy_tokens; built and loaded by cpu_kernels.py.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+int64_t scalar_argmax(const float* row, int64_t begin, int64_t end, int64_t best, float peak) {
+  for (int64_t i = begin; i < end; ++i) {
+    if (std::isnan(row[i])) return i;
+    if (row[i] > peak) {
+      peak = row[i];
+      best = i;
+    }
+  }
+  return best;
+}
+
+int64_t row_argmax(const float* row, int64_t width) {
+#if defined(__AVX512F__)
+  if (width >= 16) {
+    // Per lane: the largest value seen and the first index holding it (a later equal value
+    // does not replace it: the comparison is strict).
+    __m512 peak = _mm512_loadu_ps(row);
+    __m512i best = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __mmask16 nan = _mm512_cmp_ps_mask(peak, peak, _CMP_UNORD_Q);
+    __m512i index = best;
+    const __m512i step = _mm512_set1_epi32(16);
+    int64_t i = 16;
+    for (; i + 16 <= width && nan == 0; i += 16) {
+      index = _mm512_add_epi32(index, step);
+      const __m512 x = _mm512_loadu_ps(row + i);
+      nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      const __mmask16 greater = _mm512_cmp_ps_mask(x, peak, _CMP_GT_OQ);
+      peak = _mm512_mask_mov_ps(peak, greater, x);
+      best = _mm512_mask_mov_epi32(best, greater, index);
+    }
+    if (nan != 0) return scalar_argmax(row, 0, width, 0, -INFINITY);  // the first NaN wins
+    // Across lanes: the largest value, then the smallest index among the lanes holding it.
+    const float top = _mm512_reduce_max_ps(peak);
+    const __mmask16 holders = _mm512_cmp_ps_mask(peak, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    const int64_t first = _mm512_mask_reduce_min_epi32(holders, best);
+    return scalar_argmax(row, i, width, first, top);
+  }
+#endif
+  if (width == 0) return 0;
+  if (std::isnan(row[0])) return 0;
+  return scalar_argmax(row, 1, width, 0, row[0]);
+}
+
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "greedy_tokens: logits must be contiguous float32 [rows, vocab]");
+  TORCH_CHECK(logits.size(1) > 0, "greedy_tokens: empty vocabulary");
+  const int64_t rows = logits.size(0), width = logits.size(1);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* data = logits.data_ptr<float>();
+  int64_t* chosen = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) chosen[r] = row_argmax(data + r * width, width);
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(infercloud, m) { m.def("greedy_tokens(Tensor logits) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(infercloud, CPU, m) { m.impl("greedy_tokens", &greedy_tokens); }
