@@ -1,8 +1,9 @@
 """The decode attention kernel alone: 30 layers of 32 sequences at one context length, their
 blocks scattered at random over a pool of the engine's default size (1 GiB), as after a while of
-serving; `--hot` reuses one layer's keys (in cache) to show the arithmetic's share.
+serving; `--hot` reuses one layer's keys (in cache) to show the arithmetic's share; `--tiled`
+reads the caches as the tiled layout (csrc/kv_layout.h) instead of the plain one.
 
-    .venv/bin/python benchmarks/decode_attention_kernel.py [--context 160] [--hot]
+    .venv/bin/python benchmarks/decode_attention_kernel.py [--context 160] [--hot] [--tiled]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--hot", action="store_true")
+    parser.add_argument("--tiled", action="store_true")
     args = parser.parse_args()
     if not load_kernels():
         raise SystemExit(f"CPU kernels unavailable: {load_error()}")
@@ -36,7 +38,7 @@ def main() -> None:
     def step() -> None:
         for layer in range(LAYERS):
             i = 0 if args.hot else layer
-            op(q[i], pool[i, 0], pool[i, 1], tables, lens, HEAD_DIM**-0.5, num_blocks)
+            op(q[i], pool[i, 0], pool[i, 1], tables, lens, HEAD_DIM**-0.5, num_blocks, args.tiled)
 
     step()
     times = []
@@ -47,7 +49,8 @@ def main() -> None:
     median = sorted(times)[len(times) // 2]
     kv_bytes = LAYERS * SEQS * args.context * KV_HEADS * HEAD_DIM * 2 * 2
     print(
-        f"context {args.context}{' (hot)' if args.hot else ''}: {median * 1e3:.2f} ms per step "
+        f"context {args.context}{' (hot)' if args.hot else ''}"
+        f"{' tiled' if args.tiled else ''}: {median * 1e3:.2f} ms per step "
         f"of {LAYERS} layers, {median / LAYERS * 1e6:.0f} us per layer, "
         f"{kv_bytes / median / 1e9:.1f} GB/s of keys and values"
     )

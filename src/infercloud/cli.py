@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         "CPU kernels (else one C++ call)",
     )
     engine.add_argument(
+        "--kv-layout",
+        choices=["auto", "plain"],
+        default="auto",
+        help="auto: KV blocks in the tiled layout our attention kernels read fastest where both "
+        "kernels run; plain: [tokens][head_dim] blocks everywhere",
+    )
+    engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
         default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
@@ -252,6 +259,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         decode_attention=args.decode_attention,
         fused_layer_ops=args.fused_layer_ops,
         stacked_layers=args.stacked_layers,
+        kv_layout=args.kv_layout,
         linear_kernel=args.linear_kernel,
         prefill_attention=args.prefill_attention,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
@@ -274,7 +282,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
         f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: {linear}"
-        f"{', layers stacked in C++' if llm.stacked_layers else ''}) "
+        f"{', layers stacked in C++' if llm.stacked_layers else ''}"
+        f"{', tiled KV blocks' if llm.kv_tiled else ''}) "
         f"on http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,

@@ -159,6 +159,8 @@ def test_unknown_kernel_choices_are_refused(tiny_model_dir: Path) -> None:
         LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, prefill_attention="flash")
     with pytest.raises(ValueError, match="linear_kernel"):
         LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, linear_kernel="mkl")
+    with pytest.raises(ValueError, match="kv_layout"):
+        LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, kv_layout="tiled")
 
 
 def test_bfloat16_with_a_head_size_the_prefill_kernel_does_not_take(tiny_model_dir: Path) -> None:

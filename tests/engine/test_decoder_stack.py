@@ -28,7 +28,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-32", head_dim=32)
 
 
-def _run(model_dir: Path, stacked: bool) -> tuple[LLM, list[tuple[list[int], list[float]]]]:
+def _run(
+    model_dir: Path, stacked: bool, kv_layout: str = "auto"
+) -> tuple[LLM, list[tuple[list[int], list[float]]]]:
     llm = LLM(
         str(model_dir),
         dtype="bfloat16",
@@ -38,7 +40,9 @@ def _run(model_dir: Path, stacked: bool) -> tuple[LLM, list[tuple[list[int], lis
         decode_attention="kernel",
         prefill_attention="kernel",
         stacked_layers=stacked,
+        kv_layout=kv_layout,
     )
+    assert llm.engine.kv_tiled == (kv_layout == "auto")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 460, (n,), generator=g).tolist() for n in (5, 40, 90, 17, 64)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
@@ -46,10 +50,15 @@ def _run(model_dir: Path, stacked: bool) -> tuple[LLM, list[tuple[list[int], lis
     return llm, [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outputs]
 
 
-def test_stack_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(model_dir: Path) -> None:
-    loop, want = _run(model_dir, stacked=False)
+@pytest.mark.parametrize("kv_layout", ["auto", "plain"], ids=["tiled-kv", "plain-kv"])
+def test_stack_gives_the_python_loops_tokens_and_logprobs_bit_for_bit(
+    model_dir: Path, kv_layout: str
+) -> None:
+    """Also over tiled KV blocks (the stack writes them itself, the loop through
+    `write_kv_tiled`)."""
+    loop, want = _run(model_dir, stacked=False, kv_layout=kv_layout)
     assert not loop.engine.stacked_layers
-    stacked, got = _run(model_dir, stacked=True)
+    stacked, got = _run(model_dir, stacked=True, kv_layout=kv_layout)
     assert stacked.engine.stacked_layers
     assert stacked.engine.scheduler.num_preemptions > 0  # the pool was too small for all
     assert [t for t, _ in got] == [t for t, _ in want]

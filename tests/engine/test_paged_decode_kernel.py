@@ -19,6 +19,8 @@ from infercloud.engine.attention import (
 )
 from infercloud.engine.cpu_kernels import load_error, load_kernels
 
+from .tiled_kv import tiled_keys, tiled_values
+
 BLOCK_SIZE = 16
 
 pytestmark = pytest.mark.skipif(
@@ -80,15 +82,18 @@ def _kernel(
     lengths: list[int],
     num_blocks: int,
     scale: float,
+    tiled: bool = False,
 ) -> torch.Tensor:
+    """The kernel; with `tiled`, over the same caches rearranged into the tiled layout."""
     out: torch.Tensor = torch.ops.infercloud.paged_decode_attention(
         q,
-        k_cache,
-        v_cache,
+        tiled_keys(k_cache) if tiled else k_cache,
+        tiled_values(v_cache) if tiled else v_cache,
         tables.to(torch.int32).contiguous(),
         torch.tensor(lengths, dtype=torch.int32),
         scale,
         num_blocks,
+        tiled,
     )
     return out
 
@@ -112,6 +117,56 @@ def test_kernel_matches_torch(
     got = _kernel(q, k, v, tables, lengths, num_blocks, scale)
     assert got.dtype == dtype and got.shape == (len(lengths), num_heads * head_dim)
     torch.testing.assert_close(got.float(), want, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+TILED = pytest.mark.skipif(
+    not (load_kernels() and torch.ops.infercloud.has_tiled_decode()),
+    reason="tiled caches need AVX512-BF16",
+)
+
+
+@TILED
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (4, 1, 128), (16, 2, 64), (5, 5, 32), (6, 3, 128)],
+    ids=["smollm2", "mha", "head128", "group8", "head32", "group2-head128"],
+)
+def test_tiled_caches_give_the_plain_result(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The same keys and values in the tiled layout: torch's result within bfloat16's error,
+    and the plain layout's within one rounding (its probabilities stay float32, the tiled path
+    rounds them to bfloat16 as torch does). Odd lengths leave a token pair half outside the
+    context: NaN in the slots past a context must not leak into the result."""
+    lengths = [1, 2, 15, 16, 17, 33, 100, 250, 7]
+    q, k, v, tables, num_blocks = _case(
+        lengths, num_heads, num_kv_heads, head_dim, torch.bfloat16, 3
+    )
+    scale = head_dim**-0.5
+    want = _torch_reference(q.float(), k.float(), v.float(), tables, lengths, num_blocks, scale)
+    got = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    plain = _kernel(q, k, v, tables, lengths, num_blocks, scale)
+    torch.testing.assert_close(got.float(), plain.float(), atol=1.6e-2, rtol=1e-2)
+    # NaN in every slot past each context (the last block's tail): nothing changes.
+    for kv_head in range(num_kv_heads):
+        for seq, n in enumerate(lengths):
+            row = kv_head * num_blocks + int(tables[seq, (n - 1) // BLOCK_SIZE])
+            k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+            v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+    assert torch.equal(_kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True), got)
+
+
+@TILED
+def test_tiled_caches_are_refused_where_the_layout_does_not_apply() -> None:
+    q, k, v, tables, num_blocks = _case([5], 4, 2, 64, torch.float32, 0)
+    with pytest.raises(RuntimeError, match="tiled caches"):
+        _kernel(q, k, v, tables, [5], num_blocks, 0.125, tiled=True)
+    q, k, v, tables, num_blocks = _case([5], 4, 2, 40, torch.bfloat16, 0)
+    with pytest.raises(RuntimeError, match="tiled caches"):
+        torch.ops.infercloud.paged_decode_attention(
+            q, k, v, tables.int(), torch.tensor([5], dtype=torch.int32), 0.1, num_blocks, True
+        )
 
 
 @settings(max_examples=40, deadline=None)

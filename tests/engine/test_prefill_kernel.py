@@ -11,6 +11,8 @@ import torch
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
 
+from .tiled_kv import tiled_keys, tiled_values
+
 ops = torch.ops.infercloud
 pytestmark = pytest.mark.skipif(
     not (load_kernels() and ops.has_linear_bf16()),
@@ -68,6 +70,27 @@ def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
             err_torch = max(err_torch, (plain.float() - exact).abs().max().item())
         row += n
     assert err_kernel <= err_torch * 1.25 + 1e-3, (err_kernel, err_torch)
+
+
+def test_tiled_caches_give_the_same_bits() -> None:
+    """The tiled layout's blocks are the tiles the kernel packs from plain ones: the same
+    result, bit for bit, also with NaN in every slot past each chunk's context (the tiled path
+    reads those slots and must mask them, the plain one never reads them)."""
+    q, k_cache, v_cache, tables = _setup()
+    starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    want = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
+    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
+        last, used = table[(start + n - 1) // BLOCK], (start + n - 1) % BLOCK + 1
+        for h in range(KV_HEADS):
+            k_cache[h * NUM_BLOCKS + last, used:] = float("nan")
+            v_cache[h * NUM_BLOCKS + last, used:] = float("nan")
+    k_tiled, v_tiled = tiled_keys(k_cache), tiled_values(v_cache)
+    got = ops.paged_prefill_attention(
+        q, k_tiled, v_tiled, tables, starts, lens, scale, NUM_BLOCKS, True
+    )
+    assert torch.equal(got, want)
 
 
 def test_bad_input_is_refused() -> None:

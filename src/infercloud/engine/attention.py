@@ -18,6 +18,11 @@ in bfloat16 on CPUs with AVX512-BF16 go through our prefill kernel in one call
 (`PagedPrefillBatch`); elsewhere each is gathered and attends through matmuls.
 Grouped-query attention needs no copies of the KV heads: the query heads that share a KV head
 are folded into the query-length axis.
+
+Where both kernels serve (and `EngineConfig.kv_layout` is "auto"), each block holds its tokens
+in the tiled layout of `csrc/kv_layout.h` instead ([head_dim / 2][16][2] keys, [8][head_dim][2]
+values): the operands vdpbf16ps takes. Only the kernels read such a cache, and new keys and
+values go in through `write_kv_tiled` (`AttentionMetadata.tiled`).
 """
 
 from __future__ import annotations
@@ -92,6 +97,10 @@ class AttentionMetadata:
     """Set instead of `decodes` when the CPU kernel serves the decodes."""
     paged_prefill: PagedPrefillBatch | None = None
     """Set instead of `prefills` when the CPU prefill kernel serves the chunks."""
+    tiled: bool = False
+    """The caches are in the tiled layout (`csrc/kv_layout.h`): new keys and values go in
+    through `write_kv_tiled`, and only the kernels read them (`decodes` and `prefills` are
+    empty)."""
 
 
 def paged_attention(
@@ -108,9 +117,14 @@ def paged_attention(
     num_kv_heads = k.shape[1]
     block_size = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    flat = (-1, head_dim)
-    k_cache.view(flat).index_copy_(0, meta.write_rows, k.transpose(0, 1).reshape(flat))
-    v_cache.view(flat).index_copy_(0, meta.write_rows, v.transpose(0, 1).reshape(flat))
+    if meta.tiled:
+        if meta.decodes or meta.prefills:
+            raise ValueError("a tiled KV cache is read by the attention kernels only")
+        torch.ops.infercloud.write_kv_tiled(k_cache, v_cache, k, v, meta.write_rows)
+    else:
+        flat = (-1, head_dim)
+        k_cache.view(flat).index_copy_(0, meta.write_rows, k.transpose(0, 1).reshape(flat))
+        v_cache.view(flat).index_copy_(0, meta.write_rows, v.transpose(0, 1).reshape(flat))
     out = q.new_empty(num_tokens, num_heads * head_dim)
 
     paged = meta.paged_decode
@@ -124,6 +138,7 @@ def paged_attention(
             paged.context_lens,
             scale,
             num_blocks,
+            meta.tiled,
         )
 
     for decode in meta.decodes:
@@ -149,6 +164,7 @@ def paged_attention(
             prefill.lens,
             scale,
             num_blocks,
+            meta.tiled,
         )
 
     for chunk in meta.prefills:

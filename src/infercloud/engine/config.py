@@ -59,6 +59,12 @@ class EngineConfig:
     our kernels, run the decoder layers as one C++ call (`csrc/decoder_stack.cpp`: the same
     operators in the same order, the same results) instead of a Python loop of ~20 operator
     calls per layer."""
+    kv_layout: str = "auto"
+    """How a KV block holds its 16 tokens: "plain" ([tokens][head_dim], what every attention
+    path reads); "auto": where both attention kernels run (bfloat16 on a CPU with AVX512-BF16,
+    blocks of 16 tokens, head_dim 32, 64 or 128), the tiled layout of `csrc/kv_layout.h`,
+    whose blocks are the operands vdpbf16ps takes (keys by dimension pair, values by token
+    pair), else plain."""
     decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
     """With torch decode attention, decoding requests attend in groups of similar context
     length; a group costs about this many tokens of padded attention in fixed work

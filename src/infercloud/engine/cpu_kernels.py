@@ -10,7 +10,9 @@ so two processes building at once cannot load a half-written file.
 The operators: `paged_decode_attention` (paged_attention.cpp) and the fused element-wise parts
 of a layer, `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul` (layer_ops.cpp),
 `linear_bf16` (linear_bf16.cpp), `paged_prefill_attention` (prefill_attention.cpp),
-`greedy_tokens` (greedy_tokens.cpp: greedy sampling's argmax), and the
+`greedy_tokens` (greedy_tokens.cpp: greedy sampling's argmax), `write_kv_tiled` (kv_layout.cpp:
+new keys and values into caches in the tiled layout of kv_layout.h, which both attention
+kernels read with `tiled=True`), and the
 class `torch.classes.infercloud.DecoderStack` that runs a model's layers through them in one
 call (decoder_stack.cpp).
 Where no compiler is present or the build fails, `load_kernels()` returns False with the reason
@@ -43,8 +45,9 @@ SOURCES = (
     CSRC / "prefill_attention.cpp",
     CSRC / "decoder_stack.cpp",
     CSRC / "greedy_tokens.cpp",
+    CSRC / "kv_layout.cpp",
 )
-HEADERS = (CSRC / "vec_math.h", CSRC / "bf16_dot.h")
+HEADERS = (CSRC / "vec_math.h", CSRC / "bf16_dot.h", CSRC / "kv_layout.h")
 CXX_FLAGS = (
     "-O3",
     "-march=native",

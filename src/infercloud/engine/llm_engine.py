@@ -192,6 +192,17 @@ class LLMEngine:
             else f"takes head sizes 32, 64, ... 256, not {head_dim}",
         )
         """Whether prefill chunks attend through our CPU kernel (else through matmuls)."""
+        if config.kv_layout not in ("auto", "plain"):
+            raise ValueError(f"kv_layout must be auto or plain, got {config.kv_layout!r}")
+        self.kv_tiled = (
+            config.kv_layout == "auto"
+            and self.decode_kernel
+            and self.prefill_kernel
+            and config.block_size == 16
+            and head_dim in (32, 64, 128)
+            and bool(torch.ops.infercloud.has_tiled_decode())
+        )
+        """Whether the KV cache is in the tiled layout (`EngineConfig.kv_layout`)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -229,6 +240,7 @@ class LLMEngine:
             decode_kernel=self.decode_kernel,
             fused_ops=self.fused_ops,
             stacked_layers=config.stacked_layers,
+            kv_tiled=self.kv_tiled,
         )
         self.linear_kernel = self.runner.linear_kernel
         self.linear_times: LinearTimes | None = self.runner.linear_times

@@ -84,6 +84,7 @@ class ModelRunner:
         decode_kernel: bool = False,
         fused_ops: bool = False,
         stacked_layers: bool = False,
+        kv_tiled: bool = False,
     ) -> None:
         """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
@@ -94,7 +95,9 @@ class ModelRunner:
         (`linear_choice.py`); `stacked_layers`: the decoder layers as one C++ call where all
         four of the above are on (for any of these, the caller has loaded the kernels:
         `cpu_kernels.load_kernels()`). With `fused_ops`, greedy rows are also chosen by our
-        argmax operator (`csrc/greedy_tokens.cpp`)."""
+        argmax operator (`csrc/greedy_tokens.cpp`). `kv_tiled`: the KV cache is in the tiled
+        layout of `csrc/kv_layout.h`, which only our two attention kernels read (the caller
+        has checked that both are on and that the model's shapes fit)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -136,8 +139,11 @@ class ModelRunner:
             stacked_layers and linear_kernel and fused_ops and decode_kernel and prefill_kernel
         )
         """Whether the decoder layers run as one C++ call."""
+        self.kv_tiled = kv_tiled
+        if kv_tiled and not (decode_kernel and prefill_kernel):
+            raise ValueError("a tiled KV cache is read by the attention kernels only")
         if self.stacked_layers:
-            self.model.use_stack(self.kv_caches)
+            self.model.use_stack(self.kv_caches, tiled_kv=kv_tiled)
         self.group = config.num_heads // config.num_kv_heads
         self.decode_group_overhead_tokens = decode_group_overhead_tokens
         self.decode_kernel = decode_kernel
@@ -191,6 +197,7 @@ class ModelRunner:
             paged_prefill=self._paged_prefill(prefills, kv_cache, len(decodes))
             if self.prefill_kernel and prefills
             else None,
+            tiled=self.kv_tiled,
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -8,7 +8,8 @@
 // milliseconds of a 40 ms decode step on a 2-core Xeon. Here the same operators run in the same
 // order on the same inputs, called through torch's dispatcher, so the results are the same bits
 // as the Python loop's. Two things are done directly: the new keys and values are copied into
-// their cache rows (what `index_copy_` of the transposed k and v does), and a step with only
+// their cache rows (what `index_copy_` of the transposed k and v does, or, for tiled caches,
+// `write_kv_tiled`: the same function, kv_layout.h), and a step with only
 // decodes (or only prefill chunks) takes the attention kernel's output as the layer's
 // attention output instead of copying it into a larger tensor.
 //
@@ -25,6 +26,8 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "kv_layout.h"
 
 namespace {
 
@@ -50,18 +53,18 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
       find_op<at::Tensor(const at::Tensor&)>("infercloud::silu_and_mul");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, double, int64_t)>
+                                      const at::Tensor&, const at::Tensor&, double, int64_t, bool)>
       decode_attention =
           find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, double, int64_t)>(
+                             const at::Tensor&, const at::Tensor&, double, int64_t, bool)>(
               "infercloud::paged_decode_attention");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t)>
+                                      double, int64_t, bool)>
       prefill_attention =
           find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                             int64_t)>("infercloud::paged_prefill_attention");
+                             int64_t, bool)>("infercloud::paged_prefill_attention");
 };
 
 const Ops& ops() {
@@ -76,7 +79,7 @@ struct Layer {
 class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
-               int64_t intermediate_size, double eps, double scale, bool use_tiles)
+               int64_t intermediate_size, double eps, double scale, bool use_tiles, bool tiled_kv)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -84,14 +87,17 @@ class DecoderStack : public torch::CustomClassHolder {
         intermediate_size_(intermediate_size),
         eps_(eps),
         scale_(scale),
-        use_tiles_(use_tiles) {
+        use_tiles_(use_tiles),
+        tiled_kv_(tiled_kv) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
                     head_dim > 0 && hidden_size > 0 && intermediate_size > 0,
                 "DecoderStack: bad model dimensions");
   }
 
   // Weights packed by pack_linear_bf16; k_cache and v_cache [num_kv_heads * num_blocks,
-  // block_size, head_dim], the model runner's.
+  // block_size, head_dim], the model runner's, in the tiled layout (kv_layout.h) if the stack
+  // was made with tiled_kv.
+
   void add_layer(at::Tensor input_norm, at::Tensor qkv, at::Tensor o, at::Tensor post_norm,
                  at::Tensor gate_up, at::Tensor down, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(layers_.empty() || k_cache.sizes() == layers_[0].k_cache.sizes(),
@@ -100,6 +106,9 @@ class DecoderStack : public torch::CustomClassHolder {
                     k_cache.size(2) == head_dim_ && k_cache.is_contiguous() &&
                     v_cache.is_contiguous(),
                 "DecoderStack: k_cache and v_cache must be contiguous [rows, block, head_dim]");
+    TORCH_CHECK(!tiled_kv_ || (k_cache.size(1) == infercloud_kv::kTiledBlock &&
+                               k_cache.scalar_type() == at::kBFloat16),
+                "DecoderStack: tiled caches are bfloat16 in blocks of 16");
     layers_.push_back(Layer{std::move(input_norm), std::move(qkv), std::move(o),
                             std::move(post_norm), std::move(gate_up), std::move(down),
                             std::move(k_cache), std::move(v_cache)});
@@ -181,10 +190,20 @@ class DecoderStack : public torch::CustomClassHolder {
     char* k_dst = static_cast<char*>(layer.k_cache.data_ptr());
     char* v_dst = static_cast<char*>(layer.v_cache.data_ptr());
     const int64_t element = qkv.element_size();
+    const int64_t block = infercloud_kv::kTiledBlock * head_dim_;
     for (int64_t h = 0; h < num_kv_heads_; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t row = rows[h * tokens + t];
         const char* k_src = src + (t * row_stride + q_size + h * head_dim_) * element;
+        if (tiled_kv_) {
+          const int64_t base = row / infercloud_kv::kTiledBlock * block;
+          infercloud_kv::write_tiled(
+              reinterpret_cast<c10::BFloat16*>(k_dst) + base,
+              reinterpret_cast<c10::BFloat16*>(v_dst) + base, row % infercloud_kv::kTiledBlock,
+              reinterpret_cast<const c10::BFloat16*>(k_src),
+              reinterpret_cast<const c10::BFloat16*>(k_src + kv_size * element), head_dim_);
+          continue;
+        }
         std::memcpy(k_dst + row * bytes, k_src, bytes);
         std::memcpy(v_dst + row * bytes, k_src + kv_size * element, bytes);
       }
@@ -196,7 +215,7 @@ class DecoderStack : public torch::CustomClassHolder {
                     int64_t num_blocks) const {
     const at::Tensor out = ops().decode_attention.call(
         q.narrow(0, 0, rows).contiguous(), layer.k_cache, layer.v_cache, block_tables,
-        context_lens, scale_, num_blocks);
+        context_lens, scale_, num_blocks, tiled_kv_);
     return out.view({rows, num_heads_ * head_dim_});
   }
 
@@ -205,13 +224,14 @@ class DecoderStack : public torch::CustomClassHolder {
                      const at::Tensor& lens, int64_t num_blocks) const {
     const at::Tensor out = ops().prefill_attention.call(
         q.narrow(0, start, rows).contiguous(), layer.k_cache, layer.v_cache, block_tables,
-        starts, lens, scale_, num_blocks);
+        starts, lens, scale_, num_blocks, tiled_kv_);
     return out.view({rows, num_heads_ * head_dim_});
   }
 
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_size_, intermediate_size_;
   double eps_, scale_;
   bool use_tiles_;
+  bool tiled_kv_;  // the caches are in the tiled layout (kv_layout.h)
   std::vector<Layer> layers_;
 };
 
@@ -219,7 +239,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward);
 }

@@ -28,6 +28,7 @@
 
 #if defined(__AVX512BF16__)
 #include "bf16_dot.h"
+#include "kv_layout.h"
 #include "vec_math.h"
 #endif
 
@@ -91,6 +92,33 @@ void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int
                                             16);
       _mm512_storeu_si512(v_tiles + (d / 16) * key_pairs * 32 + pair * 32,
                           _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// The same tiles from tiled caches (kv_layout.h), whose blocks already are them: a key block is
+// one K^T tile (its columns past the context are left as the cache has them: their scores are
+// masked before the softmax reads them), and each token pair's 16 dimensions of a value block
+// are one 64-byte V^T vector (the pair's second slot zeroed where it lies past the context, as
+// pack_kv pads it). The results are the same bits as pack_kv's.
+void copy_kv_tiles(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int64_t ctx,
+                   int64_t kv_head, int64_t num_blocks, int64_t head_dim, Bf16* k_tiles,
+                   Bf16* v_tiles) {
+  const int64_t block = infercloud_kv::kTiledBlock * head_dim;  // elements per block
+  auto block_of = [&](const Bf16* cache, int64_t b) {
+    return cache + (kv_head * num_blocks + table[b]) * block;
+  };
+  for (int64_t b = 0; b < (ctx + 15) / 16; ++b) {
+    std::copy_n(block_of(k_cache, b), block, k_tiles + b * block);
+  }
+  const int64_t key_pairs = (ctx + 1) / 2;
+  for (int64_t pair = 0; pair < key_pairs; ++pair) {
+    const Bf16* src = block_of(v_cache, pair / 8) + (pair % 8) * head_dim * 2;
+    const bool lone = 2 * pair + 1 == ctx;
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      __m512i x = _mm512_loadu_si512(src + d * 2);
+      if (lone) x = _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
+      _mm512_storeu_si512(v_tiles + (d / 16) * key_pairs * 32 + pair * 32, x);
     }
   }
 }
@@ -183,7 +211,7 @@ void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t h
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
-                                   double scale, int64_t num_blocks) {
+                                   double scale, int64_t num_blocks, bool tiled) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
               "q must be contiguous bfloat16 [tokens, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
@@ -206,6 +234,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                   chunk_starts.is_contiguous() && chunk_lens.is_contiguous(),
               "one block table row, start and length per chunk");
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  TORCH_CHECK(!tiled || block_size == 16, "tiled caches have blocks of 16 tokens");
   const int32_t* starts = chunk_starts.data_ptr<int32_t>();
   const int32_t* lens = chunk_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -246,8 +275,13 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Chunk& ch = chunks[i / num_kv_heads];
-      pack_kv(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
-              head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
+      if (tiled) {
+        copy_kv_tiles(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, head_dim,
+                      k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
+      } else {
+        pack_kv(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
+                head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
+      }
     }
   });
   // Phase 2: blocks of 8 query rows (token-major, the group's heads adjacent) per task.
@@ -317,7 +351,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor chunk_starts, Tensor chunk_lens, float scale, int num_blocks) -> Tensor");
+      "Tensor chunk_starts, Tensor chunk_lens, float scale, int num_blocks, bool tiled=False) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
