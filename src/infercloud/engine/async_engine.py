@@ -183,8 +183,7 @@ class AsyncEngine:
                     logger.exception("engine step failed; aborting its requests")
                     self._fail_all(exc)
                     continue
-                for out in outputs:
-                    self._deliver(out)
+                self._deliver_step(outputs)
                 self._stats = self.engine.stats()
                 shape = self.engine.last_step
                 if self.step_listeners and shape is not None:
@@ -215,7 +214,7 @@ class AsyncEngine:
             if isinstance(command, _Abort):
                 out = self.engine.abort_request(command.request_id)
                 if out is not None:
-                    self._deliver(out)
+                    self._deliver_step([out])
             else:
                 self._streams[command.request_id] = (command.stream, command.loop)
                 try:
@@ -231,22 +230,39 @@ class AsyncEngine:
                     _post(command.loop, command.stream, exc)
             self._stats = self.engine.stats()
 
-    def _deliver(self, out: RequestOutput) -> None:
-        for listener in self.output_listeners:
-            listener(out)
-        target = self._streams.get(out.request_id)
-        if target is None:
-            return
-        if out.finished:
-            del self._streams[out.request_id]
-        stream, loop = target
-        _post(loop, stream, out)
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, handed to each event loop in one call: one wake-up of the HTTP
+        thread per step instead of one per request (each `call_soon_threadsafe` writes to the
+        loop's self-pipe, and each wake-up takes a core from the step's OpenMP threads on a
+        machine that has two)."""
+        batches: dict[asyncio.AbstractEventLoop, list[_Item]] = {}
+        for out in outputs:
+            for listener in self.output_listeners:
+                listener(out)
+            target = self._streams.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            stream, loop = target
+            batches.setdefault(loop, []).append((stream, out))
+        for loop, items in batches.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop has no reader left
+                loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self.engine.abort_request(request_id)
             stream, loop = self._streams.pop(request_id)
             _post(loop, stream, exc)
+
+
+_Item = tuple["asyncio.Queue[RequestOutput | BaseException]", RequestOutput]
+
+
+def _put_all(items: list[_Item]) -> None:
+    for stream, out in items:
+        stream.put_nowait(out)
 
 
 def _post(
