@@ -97,7 +97,6 @@ class DecoderStack : public torch::CustomClassHolder {
   // Weights packed by pack_linear_bf16; k_cache and v_cache [num_kv_heads * num_blocks,
   // block_size, head_dim], the model runner's, in the tiled layout (kv_layout.h) if the stack
   // was made with tiled_kv.
-
   void add_layer(at::Tensor input_norm, at::Tensor qkv, at::Tensor o, at::Tensor post_norm,
                  at::Tensor gate_up, at::Tensor down, at::Tensor k_cache, at::Tensor v_cache) {
     TORCH_CHECK(layers_.empty() || k_cache.sizes() == layers_[0].k_cache.sizes(),
