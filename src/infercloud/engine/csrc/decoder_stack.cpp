@@ -9,7 +9,7 @@
 // order on the same inputs, called through torch's dispatcher, so the results are the same bits
 // as the Python loop's. Two things are done directly: the new keys and values are copied into
 // their cache rows (what `index_copy_` of the transposed k and v does, or, for tiled caches,
-// `write_kv_tiled`: the same function, kv_layout.h), and a step with only
+// `write_kv_tiled`: the same `write_rows_tiled`, kv_layout.h), and a step with only
 // decodes (or only prefill chunks) takes the attention kernel's output as the layer's
 // attention output instead of copying it into a larger tensor.
 //
@@ -184,25 +184,23 @@ class DecoderStack : public torch::CustomClassHolder {
     const int64_t tokens = qkv.size(0), row_stride = qkv.stride(0);
     const int64_t kv_size = num_kv_heads_ * head_dim_;
     const int64_t* rows = write_rows.data_ptr<int64_t>();  // checked by forward
+    if (tiled_kv_) {
+      const auto* k = static_cast<const c10::BFloat16*>(qkv.data_ptr()) + q_size;
+      infercloud_kv::write_rows_tiled(layer.k_cache.data_ptr<c10::BFloat16>(),
+                                      layer.v_cache.data_ptr<c10::BFloat16>(), rows, tokens,
+                                      num_kv_heads_, head_dim_, k, row_stride, head_dim_,
+                                      k + kv_size, row_stride, head_dim_);
+      return;
+    }
     const size_t bytes = head_dim_ * qkv.element_size();
     const char* src = static_cast<const char*>(qkv.data_ptr());
     char* k_dst = static_cast<char*>(layer.k_cache.data_ptr());
     char* v_dst = static_cast<char*>(layer.v_cache.data_ptr());
     const int64_t element = qkv.element_size();
-    const int64_t block = infercloud_kv::kTiledBlock * head_dim_;
     for (int64_t h = 0; h < num_kv_heads_; ++h) {
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t row = rows[h * tokens + t];
         const char* k_src = src + (t * row_stride + q_size + h * head_dim_) * element;
-        if (tiled_kv_) {
-          const int64_t base = row / infercloud_kv::kTiledBlock * block;
-          infercloud_kv::write_tiled(
-              reinterpret_cast<c10::BFloat16*>(k_dst) + base,
-              reinterpret_cast<c10::BFloat16*>(v_dst) + base, row % infercloud_kv::kTiledBlock,
-              reinterpret_cast<const c10::BFloat16*>(k_src),
-              reinterpret_cast<const c10::BFloat16*>(k_src + kv_size * element), head_dim_);
-          continue;
-        }
         std::memcpy(k_dst + row * bytes, k_src, bytes);
         std::memcpy(v_dst + row * bytes, k_src + kv_size * element, bytes);
       }

@@ -38,20 +38,10 @@ void write_kv_tiled(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
     TORCH_CHECK(rows[j] >= 0 && rows[j] < cache_rows, "write_kv_tiled: write row ", rows[j],
                 " is not in [0, ", cache_rows, ")");
   }
-  auto* kc = k_cache.data_ptr<c10::BFloat16>();
-  auto* vc = v_cache.data_ptr<c10::BFloat16>();
-  const auto* kp = k.data_ptr<c10::BFloat16>();
-  const auto* vp = v.data_ptr<c10::BFloat16>();
-  const int64_t block = infercloud_kv::kTiledBlock * head_dim;
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t t = 0; t < tokens; ++t) {
-      const int64_t row = rows[h * tokens + t];
-      const int64_t base = row / infercloud_kv::kTiledBlock * block;
-      infercloud_kv::write_tiled(kc + base, vc + base, row % infercloud_kv::kTiledBlock,
-                                 kp + t * k.stride(0) + h * k.stride(1),
-                                 vp + t * v.stride(0) + h * v.stride(1), head_dim);
-    }
-  }
+  infercloud_kv::write_rows_tiled(k_cache.data_ptr<c10::BFloat16>(),
+                                  v_cache.data_ptr<c10::BFloat16>(), rows, tokens, heads, head_dim,
+                                  k.data_ptr<c10::BFloat16>(), k.stride(0), k.stride(1),
+                                  v.data_ptr<c10::BFloat16>(), v.stride(0), v.stride(1));
 }
 
 }  // namespace

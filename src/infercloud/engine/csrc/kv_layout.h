@@ -39,4 +39,22 @@ inline void write_tiled(c10::BFloat16* key_block, c10::BFloat16* value_block, in
   for (int64_t d = 0; d < head_dim; ++d) v[2 * d] = value[d];
 }
 
+// Writes a step's keys and values: those of token t, KV head h (at k + t * k_row + h * k_head,
+// v likewise, head_dim contiguous each) go to cache row rows[h * tokens + t], i.e. block row
+// rows[...] / 16, slot rows[...] % 16. The caller has checked every row.
+inline void write_rows_tiled(c10::BFloat16* k_cache, c10::BFloat16* v_cache, const int64_t* rows,
+                             int64_t tokens, int64_t heads, int64_t head_dim,
+                             const c10::BFloat16* k, int64_t k_row, int64_t k_head,
+                             const c10::BFloat16* v, int64_t v_row, int64_t v_head) {
+  const int64_t block = kTiledBlock * head_dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t row = rows[h * tokens + t];
+      const int64_t base = row / kTiledBlock * block;
+      write_tiled(k_cache + base, v_cache + base, row % kTiledBlock, k + t * k_row + h * k_head,
+                  v + t * v_row + h * v_head, head_dim);
+    }
+  }
+}
+
 }  // namespace infercloud_kv

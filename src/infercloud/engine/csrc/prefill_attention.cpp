@@ -108,7 +108,8 @@ void copy_kv_tiles(const Bf16* k_cache, const Bf16* v_cache, const int32_t* tabl
   auto block_of = [&](const Bf16* cache, int64_t b) {
     return cache + (kv_head * num_blocks + table[b]) * block;
   };
-  for (int64_t b = 0; b < (ctx + 15) / 16; ++b) {
+  const int64_t blocks = (ctx + infercloud_kv::kTiledBlock - 1) / infercloud_kv::kTiledBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
     std::copy_n(block_of(k_cache, b), block, k_tiles + b * block);
   }
   const int64_t key_pairs = (ctx + 1) / 2;
