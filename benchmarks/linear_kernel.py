@@ -1,7 +1,8 @@
-"""Our bfloat16 GEMM (`torch.ops.infercloud.linear_bf16`) against oneDNN's packed kernel
-(`PackedLinear`), on SmolLM2-135M's linear shapes, torch's default threads.
+"""Our GEMM (`torch.ops.infercloud.linear_bf16`, or `linear_f32` with `--dtype float32`) against
+oneDNN's packed kernel (`PackedLinear`), on SmolLM2-135M's linear shapes, torch's default threads.
 
-    .venv/bin/python benchmarks/linear_kernel.py [--rows 1 8 32 512] [--stream]
+    .venv/bin/python benchmarks/linear_kernel.py [--dtype bfloat16|float32] [--rows 1 8 32 512]
+        [--stream]
 
 Prints the time per call and GFLOP/s of each, and the largest difference between the two
 outputs (they may differ in the last bit: another summation order). Ours runs on the AMX tile
@@ -20,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
-from infercloud.engine.packed_linear import KernelLinear, PackedLinear
+from infercloud.engine.packed_linear import KernelLinear, PackedLinear, has_kernel_gemm
 
 SHAPES = {  # name: (out_features, in_features)
     "qkv": (960, 576),
@@ -49,10 +50,12 @@ def seconds_per_call(
     return (time.perf_counter() - start) / calls
 
 
-def seconds_per_step(layers: list[Callable[[torch.Tensor], torch.Tensor]], rows: int) -> float:
+def seconds_per_step(
+    layers: list[Callable[[torch.Tensor], torch.Tensor]], rows: int, dtype: torch.dtype
+) -> float:
     """Best of 10 passes through `layers` (each weight read once), after 3 warm-up passes."""
     shapes = _step_shapes()
-    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {s[1] for s in shapes}}
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in {s[1] for s in shapes}}
 
     def one_pass() -> float:
         start = time.perf_counter()
@@ -67,17 +70,20 @@ def seconds_per_step(layers: list[Callable[[torch.Tensor], torch.Tensor]], rows:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     parser.add_argument("--no-tiles", dest="tiles", action="store_false")
     parser.add_argument("--stream", action="store_true", help="a decode step's weights, cold")
     args = parser.parse_args()
-    if not (load_kernels() and torch.ops.infercloud.has_linear_bf16()):
-        raise SystemExit(f"no AVX512-BF16 linear kernel here: {load_error() or 'CPU lacks it'}")
-    tiles = args.tiles and bool(torch.ops.infercloud.has_linear_tiles())
-    print(f"threads {torch.get_num_threads()}, ours on {'AMX tiles' if tiles else 'vdpbf16ps'}")
+    dtype = getattr(torch, args.dtype)
+    if not (load_kernels() and has_kernel_gemm(dtype)):
+        raise SystemExit(f"no {args.dtype} GEMM of ours here: {load_error() or 'CPU lacks it'}")
+    tiles = args.tiles and dtype == torch.bfloat16 and bool(torch.ops.infercloud.has_linear_tiles())
+    path = "AMX tiles" if tiles else "vdpbf16ps" if dtype == torch.bfloat16 else "FMA"
+    print(f"threads {torch.get_num_threads()}, {args.dtype}, ours on {path}")
     if args.stream:
-        weights = [torch.randn(shape, dtype=torch.bfloat16) * 0.02 for shape in _step_shapes()]
-        megabytes = sum(w.numel() * 2 for w in weights) / 1e6
+        weights = [torch.randn(shape, dtype=dtype) * 0.02 for shape in _step_shapes()]
+        megabytes = sum(w.numel() * w.element_size() for w in weights) / 1e6
         for rows in args.rows:
             for name in ("oneDNN", "ours"):
                 layers: list[Callable[[torch.Tensor], torch.Tensor]] = [
@@ -85,7 +91,7 @@ def main() -> None:
                     for w in weights
                 ]
                 with torch.inference_mode():
-                    seconds = seconds_per_step(layers, rows)
+                    seconds = seconds_per_step(layers, rows, dtype)
                 print(
                     f"rows {rows:4d} decode step's linear layers ({megabytes:.0f} MB) {name:6s} "
                     f"{seconds * 1e3:6.2f} ms, {megabytes / 1e3 / seconds:5.1f} GB/s"
@@ -95,8 +101,8 @@ def main() -> None:
         for name, (out_features, in_features) in SHAPES.items():
             if name == "vocab" and rows > 64:
                 continue  # logits are computed for sampled rows only
-            weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
-            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            weight = torch.randn(out_features, in_features, dtype=dtype) * 0.02
+            x = torch.randn(rows, in_features, dtype=dtype)
             onednn, ours = PackedLinear(weight), KernelLinear(weight, use_tiles=args.tiles)
             calls = 20 if name == "vocab" else 200
             t_onednn = seconds_per_call(onednn, x, calls)

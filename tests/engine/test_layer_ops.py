@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,9 +31,9 @@ def _norm(width: int, dtype: torch.dtype) -> RMSNorm:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("rows", "width"), [(1, 576), (7, 576), (64, 576), (5, 40)])
+@pytest.mark.parametrize(("rows", "width"), [(1, 576), (7, 576), (64, 576), (5, 42)])
 def test_rms_norm_matches_the_module(dtype: torch.dtype, rows: int, width: int) -> None:
-    """Width 40: vectors of 16 and a tail of 8."""
+    """Width 42: vectors (16 or 8 lanes) and a scalar tail (10 or 2)."""
     x = _noise(rows, width, dtype=dtype)
     norm = _norm(width, dtype)
     got = ops.rms_norm(x, norm.weight, norm.eps)
@@ -42,7 +44,7 @@ def test_rms_norm_matches_the_module(dtype: torch.dtype, rows: int, width: int) 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [576, 40])
+@pytest.mark.parametrize("width", [576, 42])
 def test_add_rms_norm_adds_in_place_as_torch_rounds(dtype: torch.dtype, width: int) -> None:
     residual = _noise(9, width, dtype=dtype, seed=1)
     delta = _noise(9, width, dtype=dtype, seed=2)
@@ -57,7 +59,7 @@ def test_add_rms_norm_adds_in_place_as_torch_rounds(dtype: torch.dtype, width: i
 @pytest.mark.parametrize("head_dim", [64, 40])
 def test_rotary_in_place_equals_the_module(dtype: torch.dtype, head_dim: int) -> None:
     """On strided views of a fused qkv row, as the attention layer calls it: bit for bit (head
-    size 40: a vector of 16 and a tail of 4 per half)."""
+    size 40: vectors of 16 or 8 lanes and a tail of 4 per half)."""
     tokens, heads, kv_heads = 11, 9, 3
     rotary = RotaryEmbedding(head_dim, 2048, 10000.0)
     qkv = _noise(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3)
@@ -73,13 +75,26 @@ def test_rotary_in_place_equals_the_module(dtype: torch.dtype, head_dim: int) ->
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("width", [1536, 40])
+@pytest.mark.parametrize("width", [1536, 42])
 def test_silu_and_mul_matches_torch(dtype: torch.dtype, width: int) -> None:
     """Widths that are and are not a multiple of 16 (vector and scalar tails)."""
     gate_up = _noise(5, 2 * width, dtype=dtype, seed=4) * 4
     gate, up = gate_up.split(width, dim=-1)
     got = ops.silu_and_mul(gate_up)
     torch.testing.assert_close(got, F.silu(gate) * up)
+
+
+def test_the_vector_path_is_the_widest_this_cpu_has() -> None:
+    """16 lanes with AVX-512, 8 with AVX2 (and FMA, F16C), else the scalar loops; a build that
+    silently fell back to scalar code on a vector CPU would fail here. Widths in the tests above
+    (42 = 2 x 16 + 10 = 5 x 8 + 2) leave a scalar tail at either width."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(next(line for line in cpuinfo.splitlines() if line.startswith("flags")).split())
+    want = 16 if "avx512f" in flags else 8 if {"avx2", "fma", "f16c"} <= flags else 0
+    assert ops.vector_lanes() == want
 
 
 def test_silu_of_extreme_inputs_is_finite() -> None:

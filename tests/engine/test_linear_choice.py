@@ -13,13 +13,27 @@ from infercloud.engine.linear_choice import LinearTimes, time_linear_paths
 from infercloud.engine.llama import DecoderLayer, LlamaModel
 from infercloud.engine.llm import LLM
 from infercloud.engine.model_config import ModelConfig
-from infercloud.engine.packed_linear import KernelLinear, PackedLinear
+from infercloud.engine.packed_linear import KernelLinear, PackedLinear, can_pack, has_kernel_gemm
 from infercloud.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(
-    not (load_kernels() and torch.ops.infercloud.has_linear_bf16()),
-    reason=f"no AVX512-BF16 linear kernel here: {load_error() or 'CPU without AVX512-BF16'}",
+    not (load_kernels() and torch.ops.infercloud.has_linear_f32()),
+    reason=f"no GEMM of ours here: {load_error() or 'CPU without AVX2 or AVX-512'}",
 )
+
+
+def _dtypes_ours_takes() -> list[object]:
+    """bfloat16 (AVX512-BF16) and float32 (AVX2 or AVX-512), each skipped where ours cannot."""
+    return [
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not (load_kernels() and has_kernel_gemm(getattr(torch, name))),
+                reason=f"our GEMM does not take {name} on this CPU",
+            ),
+        )
+        for name in ("bfloat16", "float32")
+    ]
 
 
 def test_the_timed_weights_are_the_first_layers_projections(
@@ -72,7 +86,7 @@ def test_the_best_timed_pass_of_each_path_decides(
     kernel_wins: bool,
 ) -> None:
     readings = _scripted_clock(kernel_passes, other_passes)
-    weights = [torch.ones(32, 16, dtype=torch.bfloat16), torch.ones(16, 32, dtype=torch.bfloat16)]
+    weights = [torch.ones(32, 16), torch.ones(16, 32)]  # float32: ours takes it on any vector CPU
     times = time_linear_paths(weights, packed_other=False, clock=lambda: next(readings))
 
     def best(passes: list[tuple[float, float]]) -> float:
@@ -87,8 +101,9 @@ def _linear_types(llm: LLM) -> set[type]:
     return {type(m) for m in llm.engine.runner.model.modules() if "Linear" in type(m).__name__}
 
 
-def test_auto_times_both_paths_and_builds_the_faster(tiny_model_dir: Path) -> None:
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", _dtypes_ours_takes())
+def test_auto_times_both_paths_and_builds_the_faster(tiny_model_dir: Path, dtype: str) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype=dtype)
     times = llm.engine.linear_times
     assert times is not None and times.kernel_s > 0 and times.other_s > 0
     assert llm.engine.linear_kernel is times.kernel_wins
@@ -97,14 +112,23 @@ def test_auto_times_both_paths_and_builds_the_faster(tiny_model_dir: Path) -> No
     assert len(out[0].token_ids) == 4
 
 
+@pytest.mark.parametrize("dtype", _dtypes_ours_takes())
 @pytest.mark.parametrize(("choice", "layer"), [("kernel", KernelLinear), ("onednn", PackedLinear)])
-def test_an_explicit_choice_is_not_timed(tiny_model_dir: Path, choice: str, layer: type) -> None:
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype="bfloat16", linear_kernel=choice)
+def test_an_explicit_choice_is_not_timed(
+    tiny_model_dir: Path, choice: str, layer: type, dtype: str
+) -> None:
+    if layer is PackedLinear and dtype == "bfloat16" and not can_pack_bf16():
+        pytest.skip("oneDNN does not pack bfloat16 here")
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype=dtype, linear_kernel=choice)
     assert llm.engine.linear_times is None
     assert _linear_types(llm) == {layer}
 
 
-def test_float32_is_not_timed(tiny_model_dir: Path) -> None:
-    """Our kernel takes bfloat16 only: nothing to choose between."""
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype="float32")
+def test_float16_is_not_timed(tiny_model_dir: Path) -> None:
+    """Our kernels take bfloat16 and float32 only: nothing to choose between."""
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=4 << 20, dtype="float16")
     assert llm.engine.linear_times is None and not llm.engine.linear_kernel
+
+
+def can_pack_bf16() -> bool:
+    return can_pack(torch.device("cpu"), torch.bfloat16)

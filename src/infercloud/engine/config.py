@@ -37,11 +37,12 @@ class EngineConfig:
     packed_linear: bool = True
     """Pre-pack linear weights in oneDNN's layout when running on the CPU (`packed_linear`)."""
     linear_kernel: str = "auto"
-    """How linear layers multiply on the CPU: "kernel": our bfloat16 GEMM (`csrc/linear_bf16.cpp`;
-    bfloat16 weights, AVX512-BF16; fails at start where it cannot run); "onednn": oneDNN, packed
-    as `packed_linear` says; "auto": where ours can run, both are timed at start on the model's
-    shapes and the faster is kept (`engine/linear_choice.py`; ours won on an AMD EPYC, oneDNN's
-    AMX kernel on an Intel Xeon), else oneDNN."""
+    """How linear layers multiply on the CPU: "kernel": our GEMM (`csrc/linear_bf16.cpp` for
+    bfloat16 weights on AVX512-BF16, `csrc/linear_f32.cpp` for float32 ones on AVX2 or AVX-512;
+    fails at start where it cannot run); "onednn": oneDNN, packed as `packed_linear` says;
+    "auto": where ours can run, both are timed at start on the model's shapes and the faster is
+    kept (`engine/linear_choice.py`; ours won on AMD EPYCs, oneDNN's AMX kernel on an Intel
+    Xeon), else oneDNN."""
     decode_attention: str = "auto"
     """How decoding requests attend: "kernel": our C++ kernel reads each request's blocks in
     place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);

@@ -9,12 +9,13 @@ so two processes building at once cannot load a half-written file.
 
 The operators: `paged_decode_attention` (paged_attention.cpp) and the fused element-wise parts
 of a layer, `rms_norm`, `add_rms_norm`, `rotary_embedding_`, `silu_and_mul` (layer_ops.cpp),
-`linear_bf16` (linear_bf16.cpp), `paged_prefill_attention` (prefill_attention.cpp),
-`greedy_tokens` (greedy_tokens.cpp: greedy sampling's argmax), `write_kv_tiled` (kv_layout.cpp:
-new keys and values into caches in the tiled layout of kv_layout.h, which both attention
-kernels read with `tiled=True`), and the
+the GEMMs `linear_bf16` (linear_bf16.cpp) and `linear_f32` (linear_f32.cpp),
+`paged_prefill_attention` (prefill_attention.cpp), `greedy_tokens` (greedy_tokens.cpp: greedy
+sampling's argmax), `write_kv_tiled` (kv_layout.cpp: new keys and values into caches in the
+tiled layout of kv_layout.h, which both attention kernels read with `tiled=True`), and the
 class `torch.classes.infercloud.DecoderStack` that runs a model's layers through them in one
-call (decoder_stack.cpp).
+call (decoder_stack.cpp). The vector code is written once on vec_math.h and built at the
+width the CPU has: AVX-512 (16 float32 lanes) or AVX2 (8).
 Where no compiler is present or the build fails, `load_kernels()` returns False with the reason
 in `load_error()`, and the engine keeps these in plain torch (`attention.py`, `llama.py`).
 """
@@ -42,6 +43,7 @@ SOURCES = (
     CSRC / "paged_attention.cpp",
     CSRC / "layer_ops.cpp",
     CSRC / "linear_bf16.cpp",
+    CSRC / "linear_f32.cpp",
     CSRC / "prefill_attention.cpp",
     CSRC / "decoder_stack.cpp",
     CSRC / "greedy_tokens.cpp",

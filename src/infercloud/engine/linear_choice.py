@@ -6,7 +6,9 @@ rank differently on different CPUs. On an AMD EPYC with AVX512-BF16 and no AMX, 
 oneDNN runs on the tile unit, and ours, before it had a tile path of its own, was 2-4x slower
 at every row count (32-row up-projection: 629 vs 144 us), which took the engine from 449 to
 202 output tok/s. With its tile path ours leads there at decode sizes and trails oneDNN at 512
-rows on the up-projection. Instruction-set flags do not settle such races, so
+rows on the up-projection. In float32 on an AVX2-only EPYC (Zen 3), ours (`linear_f32`) ran
+155-173 GFLOP/s at 32 rows against oneDNN's 99-133, and 183-190 against 151-161 at 512 rows
+(`benchmarks/linear_kernel.py --dtype float32`). Instruction-set flags do not settle such races, so
 `EngineConfig.linear_kernel="auto"` times both, once, at engine start.
 
 The timing runs on the model's own weights, those of its first `LAYERS_TIMED` layers: enough
@@ -62,12 +64,13 @@ def time_linear_paths(
     repeats: int = 3,
 ) -> LinearTimes:
     """Time our kernel against the other path (oneDNN packed if `packed_other`, else plain
-    `F.linear`) on bfloat16 `weights` ([out_features, in_features] each, in the order a step
-    runs them). The caller has loaded the kernels and checked `has_linear_bf16()`."""
+    `F.linear`) on `weights` ([out_features, in_features] each, in the order a step runs them;
+    all of one dtype). The caller has loaded the kernels and checked `has_kernel_gemm`."""
     generator = torch.Generator().manual_seed(0)
+    dtype = weights[0].dtype
     inputs = {
         in_features: [
-            torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+            torch.randn(rows, in_features, generator=generator).to(dtype)
             for rows in (PREFILL_ROWS, DECODE_ROWS)
         ]
         for in_features in sorted({w.shape[1] for w in weights})

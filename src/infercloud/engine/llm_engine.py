@@ -36,6 +36,7 @@ from infercloud.engine.model_runner import (
     resolve_dtype,
 )
 from infercloud.engine.outputs import RequestOutput
+from infercloud.engine.packed_linear import has_kernel_gemm
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_meter import StepCostWeights
 from infercloud.engine.sampler import TokenLogprobs
@@ -64,18 +65,21 @@ def _use_decode_kernel(choice: str, device: str) -> bool:
     return on_cpu and load_kernels()
 
 
-def _use_bf16_kernel(
+def _use_cpu_kernel(
     what: str,
     choice: str,
     choices: tuple[str, str, str],
     device: str,
     dtype: torch.dtype,
+    runs: Callable[[torch.dtype], bool],
+    needs: str,
     unfit: str | None = None,
 ) -> bool:
-    """Resolve a choice among ("auto", "kernel", <the other path>) for one of our AVX512-BF16
-    kernels (`EngineConfig.linear_kernel`, `prefill_attention`), building them if needed.
-    `unfit`: why the model's shapes rule the kernel out, if they do ("auto" then takes the
-    other path; "kernel" is refused)."""
+    """Resolve a choice among ("auto", "kernel", <the other path>) for one of our CPU kernels
+    (`EngineConfig.linear_kernel`, `prefill_attention`), building them if needed. `runs(dtype)`:
+    whether the built kernel takes `dtype` on this CPU (asked once the kernels are loaded);
+    `needs`: what it needs, for the refusal of "kernel". `unfit`: why the model's shapes rule the
+    kernel out, if they do ("auto" then takes the other path; "kernel" is refused)."""
     if choice not in choices:
         raise ValueError(f"{what} must be one of {', '.join(choices)}, got {choice!r}")
     if choice not in ("auto", "kernel"):
@@ -84,16 +88,14 @@ def _use_bf16_kernel(
         if choice == "kernel":
             raise RuntimeError(f"{what}='kernel' {unfit}")
         return False
-    usable = (
-        torch.device(device).type == "cpu"
-        and dtype == torch.bfloat16
-        and load_kernels()
-        and bool(torch.ops.infercloud.has_linear_bf16())
-    )
+    usable = torch.device(device).type == "cpu" and load_kernels() and runs(dtype)
     if choice == "kernel" and not usable:
-        why = load_error() or "it needs bfloat16 on a CPU with AVX512-BF16"
-        raise RuntimeError(f"{what}='kernel' is unavailable here: {why}")
+        raise RuntimeError(f"{what}='kernel' is unavailable here: {load_error() or needs}")
     return usable
+
+
+def _prefill_kernel_runs(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and bool(torch.ops.infercloud.has_linear_bf16())
 
 
 class RequestRejectedError(ValueError):
@@ -170,23 +172,27 @@ class LLMEngine:
         on_cpu = torch.device(config.device).type == "cpu"
         self.fused_ops = config.fused_layer_ops and on_cpu and load_kernels()
         """Whether the layers' element-wise parts run as our fused CPU operators."""
-        self.linear_kernel = _use_bf16_kernel(
+        self.linear_kernel = _use_cpu_kernel(
             "linear_kernel",
             config.linear_kernel,
             ("auto", "kernel", "onednn"),
             config.device,
             dtype,
+            has_kernel_gemm,
+            "it needs bfloat16 on a CPU with AVX512-BF16, or float32 on one with AVX2 or AVX-512",
         )
-        """Whether linear layers multiply through our bfloat16 GEMM (else oneDNN); with "auto"
-        where ours can run, settled by timing both once the weights are loaded."""
+        """Whether linear layers multiply through our GEMM (else oneDNN); with "auto" where ours
+        can run, settled by timing both once the weights are loaded."""
         time_linear = self.linear_kernel and config.linear_kernel == "auto"
         head_dim = self.model_config.head_dim
-        self.prefill_kernel = _use_bf16_kernel(
+        self.prefill_kernel = _use_cpu_kernel(
             "prefill_attention",
             config.prefill_attention,
             ("auto", "kernel", "torch"),
             config.device,
             dtype,
+            _prefill_kernel_runs,
+            "it needs bfloat16 on a CPU with AVX512-BF16",
             unfit=None
             if head_dim % 32 == 0 and head_dim <= 256
             else f"takes head sizes 32, 64, ... 256, not {head_dim}",

@@ -90,7 +90,7 @@ class ModelRunner:
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
         operators; `prefill_kernel`: prefill chunks through
         `torch.ops.infercloud.paged_prefill_attention`, else gathered and through matmuls;
-        `linear_kernel`: linear layers through our bfloat16 GEMM, else oneDNN's where
+        `linear_kernel`: linear layers through our GEMM (bfloat16 or float32), else oneDNN's where
         `packed_linear`; None: whichever of the two is faster on this model's weights here
         (`linear_choice.py`); `stacked_layers`: the decoder layers as one C++ call where all
         four of the above are on (for any of these, the caller has loaded the kernels:

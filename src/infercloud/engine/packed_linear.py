@@ -75,29 +75,48 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """y = x W^T (no bias) through `torch.ops.infercloud.linear_bf16`, W packed once by
-    `pack_linear_bf16`; x is bfloat16 [rows, in_features]. The caller has loaded the kernels
-    (`cpu_kernels.load_kernels()`) and checked `has_linear_bf16()`. `use_tiles`: the AMX tile
-    path where this CPU has it and in_features is a multiple of 32 (else vdpbf16ps)."""
+    """y = x W^T (no bias) through our own GEMM, W packed once: `linear_bf16` for bfloat16
+    weights, `linear_f32` for float32 ones; x has the weight's dtype, [rows, in_features]. The
+    caller has loaded the kernels (`cpu_kernels.load_kernels()`) and checked `has_kernel_gemm`.
+    `use_tiles`: the AMX tile path where this CPU has it and in_features is a multiple of 32
+    (else vdpbf16ps); bfloat16 only."""
 
     def __init__(self, weight: torch.Tensor, use_tiles: bool = True) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.use_tiles = use_tiles
+        self.float32 = weight.dtype == torch.float32
+        self.use_tiles = use_tiles and not self.float32
         self.packed_weight: torch.Tensor
-        packed = torch.ops.infercloud.pack_linear_bf16(weight.detach())
-        self.register_buffer("packed_weight", packed, persistent=False)
+        pack = (
+            torch.ops.infercloud.pack_linear_f32
+            if self.float32
+            else (torch.ops.infercloud.pack_linear_bf16)
+        )
+        self.register_buffer("packed_weight", pack(weight.detach()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # a view for the engine's 2-d inputs
-        out = torch.ops.infercloud.linear_bf16(
-            rows, self.packed_weight, self.out_features, self.use_tiles
-        )
+        if self.float32:
+            out = torch.ops.infercloud.linear_f32(rows, self.packed_weight, self.out_features)
+        else:
+            out = torch.ops.infercloud.linear_bf16(
+                rows, self.packed_weight, self.out_features, self.use_tiles
+            )
         return out.view(*x.shape[:-1], self.out_features)  # type: ignore[no-any-return]
 
     def extra_repr(self) -> str:
         path = "kernel, tiles" if self.use_tiles else "kernel"
         return f"in_features={self.in_features}, out_features={self.out_features}, {path}"
+
+
+def has_kernel_gemm(dtype: torch.dtype) -> bool:
+    """Whether our GEMM runs `dtype` on this CPU: bfloat16 with AVX512-BF16, float32 with AVX2
+    (and FMA) or AVX-512. The caller has loaded the kernels."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.infercloud.has_linear_bf16())
+    if dtype == torch.float32:
+        return bool(torch.ops.infercloud.has_linear_f32())
+    return False
 
 
 def pack_linears(module: nn.Module, kernel: bool = False) -> int:

@@ -7,7 +7,8 @@
 // multiply-add contraction (ISO C++ mode: -ffp-contract=off), so float32 sums and products
 // round as torch's separate ops do; reductions (the mean of squares) may sum in another order.
 //
-// Registered as torch.ops.infercloud.{rms_norm, add_rms_norm, rotary_embedding_, silu_and_mul};
+// Registered as torch.ops.infercloud.{rms_norm, add_rms_norm, rotary_embedding_, silu_and_mul,
+// vector_lanes};
 // built and loaded by cpu_kernels.py.
 
 #include <ATen/ATen.h>
@@ -85,31 +86,17 @@ void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, " must be [rows, width], rows dense");
 }
 
-#if defined(__AVX512F__)
-// 16 values rounded to T and read back as float32 (what a torch op producing T hands on).
-template <typename T>
-inline __m512 round16(__m512 x) {
-  alignas(64) T buf[16];
-  infercloud_vec::store16(buf, x);
-  return infercloud_vec::load16(static_cast<const T*>(buf));
-}
-template <>
-inline __m512 round16<float>(__m512 x) {
-  return x;
-}
-#endif
-
 // out = weight * round(x * rsqrt(mean(x^2) + eps)); if residual is given, first
-// residual = round(residual + x) in place and normalise that. With AVX-512, 16 lanes at a time
-// (the sum of squares then adds in 16 partial sums: another order than one running sum).
+// residual = round(residual + x) in place and normalise that. With AVX-512 or AVX2, kLanes at a
+// time (the sum of squares then adds in kLanes partial sums: another order than one running sum).
 template <typename T>
 void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight,
                    double eps, at::Tensor& out) {
   const int64_t rows = x.size(0), width = x.size(1);
   const T* w = weight.data_ptr<T>();
-#if defined(__AVX512F__)
+#if defined(INFERCLOUD_VEC_LANES)
   using namespace infercloud_vec;
-  const int64_t vec_width = width - width % 16;  // the rest goes through the scalar tails
+  const int64_t vec_width = width - width % kLanes;  // the rest goes through the scalar tails
 #else
   const int64_t vec_width = 0;
 #endif
@@ -121,9 +108,9 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
       if (residual != nullptr) {
         T* res = residual->data_ptr<T>() + r * residual->stride(0);
         int64_t i = 0;
-#if defined(__AVX512F__)
-        for (; i < vec_width; i += 16) {
-          store16(res + i, _mm512_add_ps(load16(static_cast<const T*>(res + i)), load16(xr + i)));
+#if defined(INFERCLOUD_VEC_LANES)
+        for (; i < vec_width; i += kLanes) {
+          vstore(res + i, vadd(vload(static_cast<const T*>(res + i)), vload(xr + i)));
         }
 #endif
         for (; i < width; ++i) res[i] = store<T>(load(res[i]) + load(xr[i]));
@@ -131,13 +118,13 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
       }
       float sum = 0.f;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      __m512 sum_v = _mm512_setzero_ps();
-      for (; i < vec_width; i += 16) {
-        const __m512 v = load16(src + i);
-        sum_v = _mm512_add_ps(sum_v, _mm512_mul_ps(v, v));
+#if defined(INFERCLOUD_VEC_LANES)
+      vf sum_v = vzero();
+      for (; i < vec_width; i += kLanes) {
+        const vf v = vload(src + i);
+        sum_v = vadd(sum_v, vmul(v, v));
       }
-      sum = _mm512_reduce_add_ps(sum_v);
+      sum = vsum(sum_v);
 #endif
       for (; i < width; ++i) {
         const float v = load(src[i]);
@@ -145,11 +132,11 @@ void rms_norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Te
       }
       const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + static_cast<float>(eps));
       i = 0;
-#if defined(__AVX512F__)
-      const __m512 inv_v = _mm512_set1_ps(inv);
-      for (; i < vec_width; i += 16) {
-        const __m512 normed = round16<T>(_mm512_mul_ps(load16(src + i), inv_v));
-        store16(o + i, _mm512_mul_ps(load16(w + i), normed));
+#if defined(INFERCLOUD_VEC_LANES)
+      const vf inv_v = vset1(inv);
+      for (; i < vec_width; i += kLanes) {
+        const vf normed = vround<T>(vmul(vload(src + i), inv_v));
+        vstore(o + i, vmul(vload(w + i), normed));
       }
 #endif
       for (; i < width; ++i) {
@@ -200,14 +187,14 @@ void rotate_rows(at::Tensor& x, const int64_t* positions, const at::Tensor& cos,
       for (int64_t h = 0; h < heads; ++h) {
         T* row = x.data_ptr<T>() + t * x.stride(0) + h * x.stride(1);
         int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(INFERCLOUD_VEC_LANES)
         using namespace infercloud_vec;
-        for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = load16(static_cast<const T*>(row + i));
-          const __m512 x2 = load16(static_cast<const T*>(row + i + half));
-          const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-          store16(row + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
-          store16(row + i + half, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+        for (; i + kLanes <= half; i += kLanes) {
+          const vf x1 = vload(static_cast<const T*>(row + i));
+          const vf x2 = vload(static_cast<const T*>(row + i + half));
+          const vf cv = vload(c + i), sv = vload(s + i);
+          vstore(row + i, vsub(vmul(x1, cv), vmul(x2, sv)));
+          vstore(row + i + half, vadd(vmul(x2, cv), vmul(x1, sv)));
         }
 #endif
         for (; i < half; ++i) {
@@ -257,16 +244,13 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       const T* u = g + width;
       T* o = out.data_ptr<T>() + r * out.stride(0);
       int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(INFERCLOUD_VEC_LANES)
       using namespace infercloud_vec;
-      alignas(64) T rounded[16];
-      for (; i + 16 <= width; i += 16) {
-        const __m512 x = load16(g + i);
-        const __m512 one = _mm512_set1_ps(1.0f);
-        const __m512 silu = _mm512_div_ps(x, _mm512_add_ps(one, exp16(_mm512_sub_ps(
-                                                                  _mm512_setzero_ps(), x))));
-        store16(rounded, silu);  // round to T, as torch's silu hands it to the product
-        store16(o + i, _mm512_mul_ps(load16(rounded), load16(u + i)));
+      for (; i + kLanes <= width; i += kLanes) {
+        const vf x = vload(g + i);
+        const vf silu = vdiv(x, vadd(vset1(1.0f), vexp(vsub(vzero(), x))));
+        // rounded to T, as torch's silu hands it to the product
+        vstore(o + i, vmul(vround<T>(silu), vload(u + i)));
       }
 #endif
       for (; i < width; ++i) {
@@ -287,9 +271,20 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// The float32 lanes of this build's vector paths (vec_math.h): 16 with AVX-512, 8 with AVX2
+// (and FMA, F16C), 0 where the kernels run their scalar loops.
+int64_t vector_lanes() {
+#if defined(INFERCLOUD_VEC_LANES)
+  return INFERCLOUD_VEC_LANES;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
+  m.def("vector_lanes() -> int", &vector_lanes);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor(a!) residual, Tensor x, Tensor weight, float eps) -> Tensor");
   m.def(

@@ -64,32 +64,31 @@ struct Shape {
   int64_t group, head_dim, block_size, num_blocks;
 };
 
-#if defined(__AVX512F__)
-using infercloud_vec::exp16;
-using infercloud_vec::load16;
-using infercloud_vec::store16;
+#if defined(INFERCLOUD_VEC_LANES)
+using infercloud_vec::kLanes;
+using infercloud_vec::vf;
+using namespace infercloud_vec;
 
 // Softmax numerators in place and 1 / their sum, over `count` scores.
 inline float exp_and_inv_sum(float* s, int64_t count) {
-  __m512 peak_v = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  vf peak_v = vset1(-std::numeric_limits<float>::infinity());
   int64_t t = 0;
-  for (; t + 16 <= count; t += 16) peak_v = _mm512_max_ps(peak_v, _mm512_loadu_ps(s + t));
-  float peak = _mm512_reduce_max_ps(peak_v);
+  for (; t + kLanes <= count; t += kLanes) peak_v = vmax(peak_v, vload(s + t));
+  float peak = vpeak(peak_v);
   for (; t < count; ++t) peak = std::max(peak, s[t]);
-  const __m512 peak16 = _mm512_set1_ps(peak);
-  __m512 sum_v = _mm512_setzero_ps();
-  for (t = 0; t + 16 <= count; t += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), peak16));
-    _mm512_storeu_ps(s + t, e);
-    sum_v = _mm512_add_ps(sum_v, e);
+  const vf peak_all = vset1(peak);
+  vf sum_v = vzero();
+  for (t = 0; t + kLanes <= count; t += kLanes) {
+    const vf e = vexp(vsub(vload(s + t), peak_all));
+    vstore(s + t, e);
+    sum_v = vadd(sum_v, e);
   }
   if (t < count) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (count - t)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + t), peak16));
-    _mm512_mask_storeu_ps(s + t, mask, e);
-    sum_v = _mm512_add_ps(sum_v, _mm512_maskz_mov_ps(mask, e));
+    const vf e = vkeep_first(vexp(vsub(vload_first(s + t, count - t), peak_all)), count - t);
+    vstore_first(s + t, e, count - t);
+    sum_v = vadd(sum_v, e);
   }
-  return 1.0f / _mm512_reduce_add_ps(sum_v);
+  return 1.0f / vsum(sum_v);
 }
 
 // Blocks are scattered over the pool, so the hardware prefetcher, which follows sequential
@@ -306,14 +305,15 @@ void attend_task_tiled(const Task& task, const Shape& shape, const c10::BFloat16
 }
 #endif  // __AVX512BF16__
 
-// head_dim = 16 * ND, known at compile time so that a row lives in ND registers.
+// head_dim = kLanes * ND, known at compile time so that a row lives in ND registers.
 template <typename T, int ND>
 void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* v_ptr,
                  float* scores, T* out) {
+  constexpr int64_t kHeadDim = kLanes * ND;
   const int64_t group = shape.group;
   const int64_t bs = shape.block_size;
   const int64_t used_blocks = (task.ctx + bs - 1) / bs;
-  const TaskBlocks<T> blocks{task, shape, bs * 16 * ND, used_blocks};
+  const TaskBlocks<T> blocks{task, shape, bs * kHeadDim, used_blocks};
   blocks.key_pass(k_ptr, v_ptr, [&](int64_t first, int64_t count, const T* kb) {
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, c10::BFloat16> && ND % 2 == 0) {
@@ -324,43 +324,50 @@ void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* 
     }
 #endif
     for (int64_t t = 0; t < count; ++t) {
-      __m512 k[ND];
-      for (int j = 0; j < ND; ++j) k[j] = load16(kb + t * 16 * ND + 16 * j);
+      vf k[ND];
+      for (int j = 0; j < ND; ++j) k[j] = vload(kb + t * kHeadDim + kLanes * j);
       for (int64_t g = 0; g < group; ++g) {
-        const float* qg = task.q + g * 16 * ND;
-        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
-        for (int j = 1; j < ND; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * j), k[j], acc);
-        scores[g * task.ctx + first + t] = _mm512_reduce_add_ps(acc);
+        const float* qg = task.q + g * kHeadDim;
+        vf acc = vmul(vload(qg), k[0]);
+        for (int j = 1; j < ND; ++j) acc = vfmadd(vload(qg + kLanes * j), k[j], acc);
+        scores[g * task.ctx + first + t] = vsum(acc);
       }
     }
   });
   float inv_sum[16];
   for (int64_t g = 0; g < group; ++g) inv_sum[g] = exp_and_inv_sum(scores + g * task.ctx, task.ctx);
 
-  __m512 acc[16 * ND];
-  for (int64_t i = 0; i < group * ND; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < used_blocks; ++b) {
-    const int64_t first = b * bs;
-    const int64_t count = std::min(bs, task.ctx - first);
-    const T* vb = blocks.of(v_ptr, b);
-    for (int64_t t = 0; t < count; ++t) {
-      __m512 v[ND];
-      for (int j = 0; j < ND; ++j) v[j] = load16(vb + t * 16 * ND + 16 * j);
-      for (int64_t g = 0; g < group; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * task.ctx + first + t]);
-        for (int j = 0; j < ND; ++j) acc[g * ND + j] = _mm512_fmadd_ps(p, v[j], acc[g * ND + j]);
+  // The weighted sum of values, kHeads query heads at a time: their accumulators and one value
+  // row fit the vector registers (32 with AVX-512, 16 with AVX2), so that nothing spills; a
+  // task's values stay in L2 between the passes.
+  constexpr int kRegisters = kLanes == 16 ? 30 : 15;
+  constexpr int kHeads = kRegisters / ND - 1 > 0 ? kRegisters / ND - 1 : 1;
+  for (int64_t h0 = 0; h0 < group; h0 += kHeads) {
+    const int64_t heads = std::min<int64_t>(kHeads, group - h0);
+    vf acc[kHeads][ND];
+    for (int h = 0; h < kHeads; ++h)
+      for (int j = 0; j < ND; ++j) acc[h][j] = vzero();
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int64_t first = b * bs;
+      const int64_t count = std::min(bs, task.ctx - first);
+      const T* vb = blocks.of(v_ptr, b);
+      for (int64_t t = 0; t < count; ++t) {
+        vf v[ND];
+        for (int j = 0; j < ND; ++j) v[j] = vload(vb + t * kHeadDim + kLanes * j);
+        for (int h = 0; h < heads; ++h) {
+          const vf p = vset1(scores[(h0 + h) * task.ctx + first + t]);
+          for (int j = 0; j < ND; ++j) acc[h][j] = vfmadd(p, v[j], acc[h][j]);
+        }
       }
     }
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
-    alignas(64) float row[16 * ND];
-    for (int j = 0; j < ND; ++j) _mm512_store_ps(row + 16 * j, _mm512_mul_ps(acc[g * ND + j], inv));
-    T* dst = out + g * 16 * ND;
-    for (int d = 0; d < 16 * ND; ++d) dst[d] = static_cast<T>(row[d]);
+    for (int h = 0; h < heads; ++h) {
+      const vf inv = vset1(inv_sum[h0 + h]);
+      T* dst = out + (h0 + h) * kHeadDim;
+      for (int j = 0; j < ND; ++j) vstore(dst + kLanes * j, vmul(acc[h][j], inv));
+    }
   }
 }
-#endif  // __AVX512F__
+#endif  // INFERCLOUD_VEC_LANES
 
 // Any CPU, any head_dim: the same algorithm in scalar loops (the compiler vectorises some).
 template <typename T>
@@ -460,13 +467,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           }
         }
 #endif
-#if defined(__AVX512F__)
+#if defined(INFERCLOUD_VEC_LANES)
         if (shape.group <= 16 && head_dim == 64) {
-          attend_task<T, 4>(task, shape, k_ptr, v_ptr, scores.data(), dst);
+          attend_task<T, 64 / kLanes>(task, shape, k_ptr, v_ptr, scores.data(), dst);
           continue;
         }
         if (shape.group <= 16 && head_dim == 128) {
-          attend_task<T, 8>(task, shape, k_ptr, v_ptr, scores.data(), dst);
+          attend_task<T, 128 / kLanes>(task, shape, k_ptr, v_ptr, scores.data(), dst);
           continue;
         }
 #endif
