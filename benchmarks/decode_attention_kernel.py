@@ -4,6 +4,7 @@ serving; `--hot` reuses one layer's keys (in cache) to show the arithmetic's sha
 reads the caches as the tiled layout (csrc/kv_layout.h) instead of the plain one.
 
     .venv/bin/python benchmarks/decode_attention_kernel.py [--context 160] [--hot] [--tiled]
+        [--dtype bfloat16|float32]
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160)
     parser.add_argument("--hot", action="store_true")
     parser.add_argument("--tiled", action="store_true")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    size = dtype.itemsize
     if not load_kernels():
         raise SystemExit(f"CPU kernels unavailable: {load_error()}")
     torch.manual_seed(0)
-    num_blocks = (1 << 30) // (LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * 2)
-    pool = torch.randn(LAYERS, 2, KV_HEADS * num_blocks, BLOCK, HEAD_DIM, dtype=torch.bfloat16)
+    num_blocks = (1 << 30) // (LAYERS * 2 * KV_HEADS * BLOCK * HEAD_DIM * size)
+    pool = torch.randn(LAYERS, 2, KV_HEADS * num_blocks, BLOCK, HEAD_DIM, dtype=dtype)
     per_seq = -(-args.context // BLOCK)
     tables = torch.randperm(num_blocks)[: SEQS * per_seq].to(torch.int32).view(SEQS, per_seq)
     lens = torch.full((SEQS,), args.context, dtype=torch.int32)
-    q = torch.randn(LAYERS, SEQS, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.randn(LAYERS, SEQS, HEADS, HEAD_DIM, dtype=dtype)
     op = torch.ops.infercloud.paged_decode_attention
 
     def step() -> None:
@@ -47,9 +51,9 @@ def main() -> None:
         step()
         times.append(time.perf_counter() - start)
     median = sorted(times)[len(times) // 2]
-    kv_bytes = LAYERS * SEQS * args.context * KV_HEADS * HEAD_DIM * 2 * 2
+    kv_bytes = LAYERS * SEQS * args.context * KV_HEADS * HEAD_DIM * 2 * size
     print(
-        f"context {args.context}{' (hot)' if args.hot else ''}"
+        f"{args.dtype} context {args.context}{' (hot)' if args.hot else ''}"
         f"{' tiled' if args.tiled else ''}: {median * 1e3:.2f} ms per step "
         f"of {LAYERS} layers, {median / LAYERS * 1e6:.0f} us per layer, "
         f"{kv_bytes / median / 1e9:.1f} GB/s of keys and values"

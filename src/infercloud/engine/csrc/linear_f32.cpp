@@ -43,14 +43,29 @@ using namespace infercloud_vec;
 constexpr int64_t kNR = 3;                      // column tiles per group
 constexpr int64_t kMR = kLanes == 16 ? 8 : 4;  // rows of x per block
 
+// The next group's weights, asked for a slice per row block of the current group: in a decode
+// step (32 rows) a group's weights come from memory, and fetched by the first row block alone
+// they bound it (96 bytes per k against 12 multiply-adds); spread over all the row blocks they
+// arrive in time for the next group. `lines` 64-byte lines from `first`, one per `kStride` k.
+struct Prefetch {
+  const char* first;
+  int64_t lines;
+};
+constexpr int64_t kStride = 2;
+
 // x [MR, K] (row stride ldx) by NR tiles of packed weights -> y [MR, up to NR * kLanes].
 template <int MR, int NR>
 inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const float* w,
-                         int64_t tile_stride, float* y, int64_t ldy, int64_t valid_cols) {
+                         int64_t tile_stride, float* y, int64_t ldy, int64_t valid_cols,
+                         Prefetch ahead) {
   vf acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NR; ++t) acc[m][t] = vzero();
   for (int64_t kk = 0; kk < k; ++kk) {
+    if (kk % kStride == 0 && kk / kStride < ahead.lines) {
+      // asm volatile: GCC may drop a prefetch whose address it can prove nothing about.
+      asm volatile("prefetcht0 %0" : : "m"(*(ahead.first + kk / kStride * 64)));
+    }
     vf wv[NR];
     for (int t = 0; t < NR; ++t) {
       wv[t] = vload(w + t * tile_stride + kk * kLanes);
@@ -76,24 +91,38 @@ inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const float* w,
   }
 }
 
+// Every row of x by one group of NR tiles, fetching `next_bytes` from `next` (the following
+// group's weights) on the way.
 template <int NR>
 void rows_by_tiles(const float* x, int64_t ldx, int64_t rows, int64_t k, const float* w,
-                   int64_t tile_stride, float* y, int64_t ldy, int64_t valid_cols) {
+                   int64_t tile_stride, float* y, int64_t ldy, int64_t valid_cols,
+                   const float* next, int64_t next_bytes) {
+  const int64_t blocks = (rows + kMR - 1) / kMR;
+  const int64_t lines = (next_bytes + 63) / 64;
+  const int64_t per_block = std::min((lines + blocks - 1) / blocks, (k + kStride - 1) / kStride);
+  const char* next_c = reinterpret_cast<const char*>(next);
+  int64_t asked = 0;  // lines asked for so far
+  auto ahead = [&]() {
+    const Prefetch p{next_c + asked * 64, std::max<int64_t>(0, std::min(per_block, lines - asked))};
+    asked += p.lines;
+    return p;
+  };
   int64_t r = 0;
   for (; r + kMR <= rows; r += kMR) {
-    micro_kernel<kMR, NR>(x + r * ldx, ldx, k, w, tile_stride, y + r * ldy, ldy, valid_cols);
+    micro_kernel<kMR, NR>(x + r * ldx, ldx, k, w, tile_stride, y + r * ldy, ldy, valid_cols,
+                          ahead());
   }
   const float* xr = x + r * ldx;
   float* yr = y + r * ldy;
   switch (rows - r) {
     case 0: break;
-    case 1: micro_kernel<1, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    case 2: micro_kernel<2, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    case 3: micro_kernel<3, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    case 4: micro_kernel<4, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    case 5: micro_kernel<5, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    case 6: micro_kernel<6, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
-    default: micro_kernel<7, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols); break;
+    case 1: micro_kernel<1, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    case 2: micro_kernel<2, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    case 3: micro_kernel<3, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    case 4: micro_kernel<4, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    case 5: micro_kernel<5, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    case 6: micro_kernel<6, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
+    default: micro_kernel<7, NR>(xr, ldx, k, w, tile_stride, yr, ldy, valid_cols, ahead()); break;
   }
 }
 #endif  // INFERCLOUD_VEC_LANES
@@ -153,12 +182,19 @@ at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& packed, int64_t out
       const int64_t col = first_tile * kLanes;
       const int64_t valid = std::min(nr * kLanes, out_features - col);
       const float* w = wp + first_tile * tile_stride;
+      // The next group this thread runs (groups are consecutive in memory); none after its last.
+      const float* next = w + nr * tile_stride;
+      const int64_t next_tiles = g + 1 < end ? std::min(kNR, tiles - first_tile - nr) : 0;
+      const int64_t next_bytes = next_tiles * tile_stride * static_cast<int64_t>(sizeof(float));
       if (nr == 3) {
-        rows_by_tiles<3>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid);
+        rows_by_tiles<3>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid, next,
+                         next_bytes);
       } else if (nr == 2) {
-        rows_by_tiles<2>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid);
+        rows_by_tiles<2>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid, next,
+                         next_bytes);
       } else {
-        rows_by_tiles<1>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid);
+        rows_by_tiles<1>(xp, ldx, rows, k, w, tile_stride, yp + col, out_features, valid, next,
+                         next_bytes);
       }
     }
   });
