@@ -4,7 +4,7 @@
 //
 // aten's max over 32 rows of 49152 took 0.89 ms of a ~21 ms decode step on a 2-core EPYC, this
 // 0.13 ms (hot, outside the engine: 0.41 vs 0.11 ms): the rows are split over the threads and
-// each is scanned 16 lanes at a time.
+// each is scanned 16 lanes at a time (8 with AVX2).
 //
 // Registered as torch.ops.infercloud.greedy_tokens; built and loaded by cpu_kernels.py.
 
@@ -15,8 +15,10 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+
+#include <algorithm>
 #endif
 
 namespace {
@@ -56,6 +58,36 @@ int64_t row_argmax(const float* row, int64_t width) {
     const float top = _mm512_reduce_max_ps(peak);
     const __mmask16 holders = _mm512_cmp_ps_mask(peak, _mm512_set1_ps(top), _CMP_EQ_OQ);
     const int64_t first = _mm512_mask_reduce_min_epi32(holders, best);
+    return scalar_argmax(row, i, width, first, top);
+  }
+#elif defined(__AVX2__)
+  if (width >= 8) {
+    // The same scan, 8 lanes at a time, with comparison masks and blends.
+    __m256 peak = _mm256_loadu_ps(row);
+    __m256i best = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int nan = _mm256_movemask_ps(_mm256_cmp_ps(peak, peak, _CMP_UNORD_Q));
+    __m256i index = best;
+    const __m256i step = _mm256_set1_epi32(8);
+    int64_t i = 8;
+    for (; i + 8 <= width && nan == 0; i += 8) {
+      index = _mm256_add_epi32(index, step);
+      const __m256 x = _mm256_loadu_ps(row + i);
+      nan = _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      const __m256 greater = _mm256_cmp_ps(x, peak, _CMP_GT_OQ);
+      peak = _mm256_blendv_ps(peak, x, greater);
+      best = _mm256_blendv_epi8(best, index, _mm256_castps_si256(greater));
+    }
+    if (nan != 0) return scalar_argmax(row, 0, width, 0, -INFINITY);  // the first NaN wins
+    alignas(32) float peaks[8];
+    alignas(32) int32_t bests[8];
+    _mm256_store_ps(peaks, peak);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bests), best);
+    float top = peaks[0];
+    for (int l = 1; l < 8; ++l) top = std::max(top, peaks[l]);
+    int64_t first = width;
+    for (int l = 0; l < 8; ++l) {
+      if (peaks[l] == top) first = std::min<int64_t>(first, bests[l]);
+    }
     return scalar_argmax(row, i, width, first, top);
   }
 #endif

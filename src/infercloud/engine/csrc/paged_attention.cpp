@@ -134,28 +134,6 @@ struct TaskBlocks {
 };
 
 #if defined(__AVX512BF16__)
-// r[k] = the sum of a[k]'s 16 lanes, for 16 vectors: halves, then 128-bit quarters, then lanes
-// are folded pairwise (about 3 operations per vector instead of a full reduction each).
-inline __m512 reduce16(const __m512 (&a)[16]) {
-  __m512 b[8], c[4];
-  for (int i = 0; i < 8; ++i) {
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  }
-  for (int i = 0; i < 4; ++i) {
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  }
-  // c[i]'s 128-bit quarter j holds 4 partial sums of a[4i + j].
-  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
-  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-  // Lane 4j + l of r holds a[4l + j]: put a[k] in lane k.
-  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-  return _mm512_permutexvar_ps(order, r);
-}
-
 // Scores of the group's query heads against `count` (<= 16) keys of a bfloat16 block, with
 // vdpbf16ps on the unscaled bfloat16 query (the products are exact in float32), scaled after.
 template <int ND>
@@ -180,7 +158,7 @@ inline void qk_block_bf16(const Task& task, int64_t group, const c10::BFloat16* 
       }
     }
     _mm512_mask_storeu_ps(scores + g * task.ctx + first, valid,
-                          _mm512_mul_ps(reduce16(acc), scale));
+                          _mm512_mul_ps(vsum_each(acc), scale));
   }
 }
 #endif  // __AVX512BF16__

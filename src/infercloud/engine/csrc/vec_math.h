@@ -9,9 +9,10 @@
 // nearest even, NaN to the quiet NaN 0x7FC0, as c10 does); vload_first / vstore_first, which
 // touch only the first n lanes (0 <= n <= kLanes; the rest load as zero and are not written);
 // vkeep_first, which zeroes the lanes from n on; the arithmetic a kernel needs; vsum / vpeak (the
-// sum and maximum of the lanes); and vexp. A kernel written on these runs at either width; each
-// keeps a scalar path for other CPUs. load16 / store16 / exp16 name the AVX-512 forms that the
-// bfloat16-only kernels (vdpbf16ps, AMX) use directly.
+// sum and maximum of the lanes); vsum_each (kLanes vectors' sums, one per lane); and vexp. A
+// kernel written on these runs at either width; each keeps a scalar path for other CPUs.
+// load16 / store16 / exp16 name the AVX-512 forms that the bfloat16-only kernels (vdpbf16ps,
+// AMX) use directly.
 #pragma once
 
 #if defined(__AVX512F__)
@@ -101,6 +102,27 @@ inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * 
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 inline float vpeak(vf x) { return _mm512_reduce_max_ps(x); }
 inline vf vexp(vf x) { return exp16(x); }
+// r[k] = the sum of a[k]'s 16 lanes, for 16 vectors: halves, then 128-bit quarters, then lanes
+// are folded pairwise (about 3 operations per vector instead of a full reduction each).
+inline vf vsum_each(const vf (&a)[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i) {
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  }
+  // c[i]'s 128-bit quarter j holds 4 partial sums of a[4i + j].
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(c[0], c[1]), _mm512_unpackhi_ps(c[0], c[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(c[2], c[3]), _mm512_unpackhi_ps(c[2], c[3]));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  // Lane 4j + l of r holds a[4l + j]: put a[k] in lane k.
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, r);
+}
 
 #else  // 8 lanes: AVX2, FMA, F16C
 using vf = __m256;
@@ -180,6 +202,14 @@ inline vf vexp(vf x) {
   const __m256i scale = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+// r[k] = the sum of a[k]'s 8 lanes, for 8 vectors: two rounds of pairwise horizontal adds
+// within 128-bit halves, then the halves added across (9 operations for the 8 sums).
+inline vf vsum_each(const vf (&a)[8]) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  // u0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], u1 the same for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
 
