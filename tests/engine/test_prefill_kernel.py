@@ -2,7 +2,8 @@
 causal attention on the same bfloat16 queries, keys and values, read through block tables:
 chunks at the start of a prompt and after earlier tokens, of one token, and longer than a
 block, in one call. Its error must be no larger than that of the plain-torch bfloat16 path the
-engine uses otherwise (matmuls in bfloat16, softmax rounded to bfloat16)."""
+engine uses otherwise (matmuls in bfloat16, softmax rounded to bfloat16). The float32 path
+(AVX2 or AVX-512) against float64 attention on the same float32 inputs."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from infercloud.engine.cpu_kernels import load_error, load_kernels
 from .tiled_kv import tiled_keys, tiled_values
 
 ops = torch.ops.infercloud
-pytestmark = pytest.mark.skipif(
-    not (load_kernels() and ops.has_linear_bf16()),
-    reason=f"no AVX512-BF16 kernels here: {load_error() or 'CPU without AVX512-BF16'}",
+pytestmark = pytest.mark.skipif(not load_kernels(), reason=f"CPU kernels: {load_error()}")
+bf16 = pytest.mark.skipif(
+    not (load_kernels() and ops.has_linear_bf16()), reason="no AVX512-BF16 on this CPU"
+)
+f32 = pytest.mark.skipif(
+    not (load_kernels() and ops.has_linear_f32()), reason="no AVX2 or AVX-512 on this CPU"
 )
 
 KV_HEADS, HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS = 3, 9, 64, 16, 256
@@ -44,6 +48,7 @@ def _keys(cache: torch.Tensor, table: list[int], head: int, ctx: int) -> torch.T
     return blocks.reshape(-1, HEAD_DIM)[:ctx]
 
 
+@bf16
 def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
     q, k_cache, v_cache, tables = _setup()
     starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
@@ -72,6 +77,7 @@ def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
     assert err_kernel <= err_torch * 1.25 + 1e-3, (err_kernel, err_torch)
 
 
+@bf16
 def test_tiled_caches_give_the_same_bits() -> None:
     """The tiled layout's blocks are the tiles the kernel packs from plain ones: the same
     result, bit for bit, also with NaN in every slot past each chunk's context (the tiled path
@@ -93,6 +99,43 @@ def test_tiled_caches_give_the_same_bits() -> None:
     assert torch.equal(got, want)
 
 
+@f32
+def test_float32_matches_causal_attention() -> None:
+    """Within float32 rounding of float64 attention (the plain-torch float32 path's error, with
+    room for another summation order), with NaN in every cache slot past each chunk's context:
+    those are never read."""
+    q, k_cache, v_cache, tables = (t.float() if t.is_floating_point() else t for t in _setup())
+    starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
+        last, used = table[(start + n - 1) // BLOCK], (start + n - 1) % BLOCK + 1
+        for h in range(KV_HEADS):
+            k_cache[h * NUM_BLOCKS + last, used:] = float("nan")
+            v_cache[h * NUM_BLOCKS + last, used:] = float("nan")
+    got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
+    assert got.shape == (q.shape[0], HEADS * HEAD_DIM) and got.dtype == torch.float32
+    row, err_kernel, err_torch = 0, 0.0, 0.0
+    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
+        ctx = start + n
+        future = (
+            torch.arange(ctx)[None, :] > torch.arange(start, ctx).repeat_interleave(GROUP)[:, None]
+        )
+        bias = torch.zeros(future.shape).masked_fill(future, float("-inf"))
+        for h in range(KV_HEADS):
+            k, v = _keys(k_cache, table, h, ctx), _keys(v_cache, table, h, ctx)
+            qh = q[row : row + n, h * GROUP : (h + 1) * GROUP].reshape(-1, HEAD_DIM)
+            exact = torch.softmax(qh.double() @ k.double().T * scale + bias.double(), -1)
+            exact = exact @ v.double()
+            plain = torch.softmax(qh @ k.T * scale + bias, -1) @ v
+            mine = got[row : row + n].view(n, HEADS, HEAD_DIM)[:, h * GROUP : (h + 1) * GROUP]
+            err_kernel = max(err_kernel, (mine.reshape(-1, HEAD_DIM) - exact).abs().max().item())
+            err_torch = max(err_torch, (plain.double() - exact).abs().max().item())
+        row += n
+    assert err_kernel <= err_torch * 2 + 1e-6, (err_kernel, err_torch)
+
+
+@bf16
 def test_bad_input_is_refused() -> None:
     q, k_cache, v_cache, tables = _setup()
     starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
@@ -107,3 +150,20 @@ def test_bad_input_is_refused() -> None:
     bad[0, 0] = NUM_BLOCKS
     with pytest.raises(RuntimeError, match="is not in"):
         ops.paged_prefill_attention(q, k_cache, v_cache, bad, starts, lens, 0.1, NUM_BLOCKS)
+
+
+@f32
+def test_float32_bad_input_is_refused() -> None:
+    q, k_cache, v_cache, tables = (t.float() if t.is_floating_point() else t for t in _setup())
+    starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="q's dtype"):
+        ops.paged_prefill_attention(
+            q, k_cache.bfloat16(), v_cache, tables, starts, lens, 0.1, NUM_BLOCKS
+        )
+    with pytest.raises(RuntimeError, match="tiled caches are bfloat16"):
+        ops.paged_prefill_attention(
+            q, k_cache, v_cache, tables, starts, lens, 0.1, NUM_BLOCKS, True
+        )
+    with pytest.raises(RuntimeError, match="add up"):
+        ops.paged_prefill_attention(q[1:], k_cache, v_cache, tables, starts, lens, 0.1, NUM_BLOCKS)

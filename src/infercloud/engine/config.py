@@ -49,9 +49,9 @@ class EngineConfig:
     "torch": gathered into padded groups in plain torch (any device); "auto": the kernel on the
     CPU where it builds, else torch."""
     prefill_attention: str = "auto"
-    """How prefill chunks attend: "kernel": our C++ kernel over the paged cache (bfloat16, CPUs
-    with AVX512-BF16; fails at start where it cannot run); "torch": gathered, through matmuls;
-    "auto": the kernel where it can run."""
+    """How prefill chunks attend: "kernel": our C++ kernel over the paged cache (bfloat16 on CPUs
+    with AVX512-BF16, float32 on CPUs with AVX2 or AVX-512; fails at start where it cannot run);
+    "torch": gathered, through matmuls; "auto": the kernel where it can run."""
     fused_layer_ops: bool = True
     """On the CPU, run each layer's element-wise parts (residual add + RMSNorm, rotary
     embedding, SiLU * up) as our fused C++ operators where they build (`cpu_kernels.py`)."""

@@ -49,7 +49,12 @@ SOURCES = (
     CSRC / "greedy_tokens.cpp",
     CSRC / "kv_layout.cpp",
 )
-HEADERS = (CSRC / "vec_math.h", CSRC / "bf16_dot.h", CSRC / "kv_layout.h")
+HEADERS = (
+    CSRC / "vec_math.h",
+    CSRC / "f32_gemm.h",
+    CSRC / "bf16_dot.h",
+    CSRC / "kv_layout.h",
+)
 CXX_FLAGS = (
     "-O3",
     "-march=native",

@@ -95,7 +95,11 @@ def _use_cpu_kernel(
 
 
 def _prefill_kernel_runs(dtype: torch.dtype) -> bool:
-    return dtype == torch.bfloat16 and bool(torch.ops.infercloud.has_linear_bf16())
+    """bfloat16 needs AVX512-BF16 (vdpbf16ps), float32 a vector path (AVX2 or AVX-512); the
+    float32 GEMM's availability says the latter."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.infercloud.has_linear_bf16())
+    return dtype == torch.float32 and bool(torch.ops.infercloud.has_linear_f32())
 
 
 class RequestRejectedError(ValueError):
@@ -192,7 +196,7 @@ class LLMEngine:
             config.device,
             dtype,
             _prefill_kernel_runs,
-            "it needs bfloat16 on a CPU with AVX512-BF16",
+            "it needs bfloat16 on a CPU with AVX512-BF16, or float32 on one with AVX2 or AVX-512",
             unfit=None
             if head_dim % 32 == 0 and head_dim <= 256
             else f"takes head sizes 32, 64, ... 256, not {head_dim}",
@@ -202,6 +206,7 @@ class LLMEngine:
             raise ValueError(f"kv_layout must be auto or plain, got {config.kv_layout!r}")
         self.kv_tiled = (
             config.kv_layout == "auto"
+            and dtype == torch.bfloat16
             and self.decode_kernel
             and self.prefill_kernel
             and config.block_size == 16

@@ -136,9 +136,14 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         self.stacked_layers = (
-            stacked_layers and linear_kernel and fused_ops and decode_kernel and prefill_kernel
+            stacked_layers
+            and dtype == torch.bfloat16
+            and linear_kernel
+            and fused_ops
+            and decode_kernel
+            and prefill_kernel
         )
-        """Whether the decoder layers run as one C++ call."""
+        """Whether the decoder layers run as one C++ call (`csrc/decoder_stack.cpp`: bfloat16)."""
         self.kv_tiled = kv_tiled
         if kv_tiled and not (decode_kernel and prefill_kernel):
             raise ValueError("a tiled KV cache is read by the attention kernels only")

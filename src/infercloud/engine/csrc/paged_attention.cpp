@@ -69,28 +69,6 @@ using infercloud_vec::kLanes;
 using infercloud_vec::vf;
 using namespace infercloud_vec;
 
-// Softmax numerators in place and 1 / their sum, over `count` scores.
-inline float exp_and_inv_sum(float* s, int64_t count) {
-  vf peak_v = vset1(-std::numeric_limits<float>::infinity());
-  int64_t t = 0;
-  for (; t + kLanes <= count; t += kLanes) peak_v = vmax(peak_v, vload(s + t));
-  float peak = vpeak(peak_v);
-  for (; t < count; ++t) peak = std::max(peak, s[t]);
-  const vf peak_all = vset1(peak);
-  vf sum_v = vzero();
-  for (t = 0; t + kLanes <= count; t += kLanes) {
-    const vf e = vexp(vsub(vload(s + t), peak_all));
-    vstore(s + t, e);
-    sum_v = vadd(sum_v, e);
-  }
-  if (t < count) {
-    const vf e = vkeep_first(vexp(vsub(vload_first(s + t, count - t), peak_all)), count - t);
-    vstore_first(s + t, e, count - t);
-    sum_v = vadd(sum_v, e);
-  }
-  return 1.0f / vsum(sum_v);
-}
-
 // Blocks are scattered over the pool, so the hardware prefetcher, which follows sequential
 // streams, stalls at every block boundary. The K pass asks for the key block this many blocks
 // ahead and for the value block it will need in the V pass (a task's keys and values, ~40 KB at

@@ -11,8 +11,15 @@
 // the probabilities to bfloat16 (as the plain-torch path, whose softmax outputs bfloat16) and
 // multiplies them with the values; the output is rounded to bfloat16 once.
 //
+// float32 (AVX2 or AVX-512, f32_gemm.h): the same two products on float32 tiles. Per (chunk, KV
+// head) the keys are packed as K^T column tiles of kLanes keys and the values as tiles of kLanes
+// dimensions; every block of kMR query rows computes its scores with the float32 GEMM kernel,
+// scales them, masks the future, takes the softmax and multiplies it with the values; nothing is
+// rounded below float32.
+//
 // Registered as torch.ops.infercloud.paged_prefill_attention; built and loaded by
-// cpu_kernels.py; refuses to run without AVX512-BF16 (the engine then keeps the torch path).
+// cpu_kernels.py; bfloat16 needs AVX512-BF16 and float32 a vector path (AVX2 or AVX-512): it
+// refuses otherwise (the engine then keeps the torch path).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,22 +33,23 @@
 #include <memory>
 #include <vector>
 
+#include "f32_gemm.h"
+#include "vec_math.h"
 #if defined(__AVX512BF16__)
 #include "bf16_dot.h"
 #include "kv_layout.h"
-#include "vec_math.h"
 #endif
 
 namespace {
-
-#if defined(__AVX512BF16__)
-using Bf16 = c10::BFloat16;
-constexpr int kRows = 8;  // query rows per block
 
 struct Chunk {
   int64_t row_start, start, len;  // first row in q, first position, tokens
   const int32_t* table;
 };
+
+#if defined(__AVX512BF16__)
+using Bf16 = c10::BFloat16;
+constexpr int kRows = 8;  // query rows per block
 
 // Packs this (chunk, head)'s `ctx` keys as K^T tiles [ceil(ctx/16)][head_dim/2][16][2] and values
 // as V^T tiles [head_dim/16][ceil(ctx/2)][16][2]; padding is zero.
@@ -209,16 +217,179 @@ void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t h
 }
 #endif  // __AVX512BF16__
 
+#if defined(INFERCLOUD_VEC_LANES)
+// ---------------------------------------------------------------------------------------------
+// float32.
+
+// Packs this (chunk, head)'s `ctx` keys as K^T tiles [ceil(ctx / kLanes)][head_dim][kLanes]
+// (padding zero) and values as tiles [head_dim / kLanes][ctx][kLanes].
+void pack_kv_f32(const float* k_cache, const float* v_cache, const int32_t* table, int64_t ctx,
+                 int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t head_dim,
+                 float* k_tiles, float* v_tiles) {
+  using infercloud_vec::kLanes;
+  const int64_t key_tiles = (ctx + kLanes - 1) / kLanes, tile = head_dim * kLanes;
+  std::fill(k_tiles + (key_tiles - 1) * tile, k_tiles + key_tiles * tile, 0.0f);
+  for (int64_t t = 0; t < ctx; ++t) {
+    const int64_t row =
+        (kv_head * num_blocks + table[t / block_size]) * block_size + t % block_size;
+    const float* kr = k_cache + row * head_dim;
+    const float* vr = v_cache + row * head_dim;
+    float* kt = k_tiles + (t / kLanes) * tile + t % kLanes;
+    for (int64_t d = 0; d < head_dim; ++d) kt[d * kLanes] = kr[d];
+    for (int64_t j = 0; j < head_dim / kLanes; ++j) {
+      std::copy_n(vr + j * kLanes, kLanes, v_tiles + (j * ctx + t) * kLanes);
+    }
+  }
+}
+
+// y [MR][valid] = x [MR][k] (row stride ldx) times `tiles` packed tiles, kNR at a time.
+template <int MR>
+void rows_times_tiles(const float* x, int64_t ldx, int64_t k, const float* w, int64_t tiles,
+                      int64_t tile_stride, float* y, int64_t ldy, int64_t valid) {
+  using namespace infercloud_vec;
+  int64_t t = 0;
+  for (; t + 3 <= tiles; t += 3) {
+    micro_kernel<MR, 3>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
+                        valid - t * kLanes);
+  }
+  if (tiles - t == 2) {
+    micro_kernel<MR, 2>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
+                        valid - t * kLanes);
+  } else if (tiles - t == 1) {
+    micro_kernel<MR, 1>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
+                        valid - t * kLanes);
+  }
+}
+
+// MR query rows (q, head_dim apart, at `positions`, ascending) over their keys: out [MR][head_dim].
+template <int MR>
+void attend_rows_f32(const float* q, const int64_t* positions, int64_t head_dim,
+                     const float* k_tiles, const float* v_tiles, int64_t ctx, float scale,
+                     std::vector<float>& s, float* out) {
+  using namespace infercloud_vec;
+  const int64_t keys = positions[MR - 1] + 1, tiles = (keys + kLanes - 1) / kLanes;
+  const int64_t width = tiles * kLanes;
+  s.resize(MR * width);
+  rows_times_tiles<MR>(q, head_dim, head_dim, k_tiles, tiles, head_dim * kLanes, s.data(), width,
+                       width);
+  const vf scale_v = vset1(scale);
+  for (int m = 0; m < MR; ++m) {
+    float* sm = s.data() + m * width;
+    const int64_t visible = positions[m] + 1;
+    int64_t j = 0;
+    for (; j + kLanes <= visible; j += kLanes) vstore(sm + j, vmul(vload(sm + j), scale_v));
+    for (; j < visible; ++j) sm[j] *= scale;
+    const float inv = exp_and_inv_sum(sm, visible);
+    const vf inv_v = vset1(inv);
+    for (j = 0; j + kLanes <= visible; j += kLanes) vstore(sm + j, vmul(vload(sm + j), inv_v));
+    for (; j < visible; ++j) sm[j] *= inv;
+    std::fill(sm + visible, sm + keys, 0.0f);  // the future: probability zero
+  }
+  rows_times_tiles<MR>(s.data(), width, keys, v_tiles, head_dim / kLanes, ctx * kLanes, out,
+                       head_dim, head_dim);
+}
+
+void prefill_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const std::vector<Chunk>& chunks, int64_t num_kv_heads, int64_t num_blocks,
+                 float scale, at::Tensor& out) {
+  using namespace infercloud_vec;
+  const int64_t head_dim = q.size(2), num_heads = q.size(1), group = num_heads / num_kv_heads;
+  const int64_t block_size = k_cache.size(1);
+  const int64_t tasks = static_cast<int64_t>(chunks.size()) * num_kv_heads;
+  std::vector<int64_t> k_off(tasks + 1, 0), v_off(tasks + 1, 0);
+  for (int64_t i = 0; i < tasks; ++i) {
+    const int64_t ctx = chunks[i / num_kv_heads].start + chunks[i / num_kv_heads].len;
+    k_off[i + 1] = k_off[i] + (ctx + kLanes - 1) / kLanes * kLanes * head_dim;
+    v_off[i + 1] = v_off[i] + ctx * head_dim;
+  }
+  // Uninitialised: pack_kv_f32 writes every element.
+  std::unique_ptr<float[]> k_tiles(new float[k_off[tasks]]), v_tiles(new float[v_off[tasks]]);
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Chunk& ch = chunks[i / num_kv_heads];
+      pack_kv_f32(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
+                  head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
+    }
+  });
+  // Blocks of kMR query rows (token-major, the group's heads adjacent) per task.
+  struct Unit {
+    int64_t task, first_row, count;
+  };
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < tasks; ++i) {
+    const int64_t task_rows = chunks[i / num_kv_heads].len * group;
+    for (int64_t r = 0; r < task_rows; r += kMR) {
+      units.push_back({i, r, std::min<int64_t>(kMR, task_rows - r)});
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s;
+    alignas(64) float q_rows[kMR * 256];
+    alignas(64) float o_rows[kMR * 256];
+    int64_t positions[kMR];
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit& unit = units[u];
+      const Chunk& ch = chunks[unit.task / num_kv_heads];
+      const int64_t kv_head = unit.task % num_kv_heads;
+      for (int64_t m = 0; m < unit.count; ++m) {
+        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
+        positions[m] = ch.start + token;
+        std::copy_n(qp + ((ch.row_start + token) * num_heads + head) * head_dim, head_dim,
+                    q_rows + m * head_dim);
+      }
+      const float* kt = k_tiles.get() + k_off[unit.task];
+      const float* vt = v_tiles.get() + v_off[unit.task];
+      const int64_t ctx = ch.start + ch.len;
+      switch (unit.count) {
+#define INFERCLOUD_ROWS(n)                                                                    \
+  case n:                                                                                     \
+    attend_rows_f32<n>(q_rows, positions, head_dim, kt, vt, ctx, scale, s, o_rows);           \
+    break;
+        INFERCLOUD_ROWS(1)
+        INFERCLOUD_ROWS(2)
+        INFERCLOUD_ROWS(3)
+        INFERCLOUD_ROWS(4)
+#if INFERCLOUD_VEC_LANES == 16
+        INFERCLOUD_ROWS(5)
+        INFERCLOUD_ROWS(6)
+        INFERCLOUD_ROWS(7)
+        INFERCLOUD_ROWS(8)
+#endif
+#undef INFERCLOUD_ROWS
+      }
+      for (int64_t m = 0; m < unit.count; ++m) {
+        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
+        std::copy_n(o_rows + m * head_dim,
+                    head_dim, op + ((ch.row_start + token) * num_heads + head) * head_dim);
+      }
+    }
+  });
+}
+#endif  // INFERCLOUD_VEC_LANES
+
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
                                    double scale, int64_t num_blocks, bool tiled) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kBFloat16,
-              "q must be contiguous bfloat16 [tokens, num_heads, head_dim]");
+  const bool f32 = q.scalar_type() == at::kFloat;
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (f32 || q.scalar_type() == at::kBFloat16),
+              "q must be contiguous bfloat16 or float32 [tokens, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "caches must be contiguous bfloat16 [num_kv_heads * num_blocks, block_size, head_dim]");
+                  k_cache.scalar_type() == q.scalar_type() &&
+                  v_cache.scalar_type() == q.scalar_type(),
+              "caches must be contiguous [num_kv_heads * num_blocks, block_size, head_dim] of q's "
+              "dtype");
+#if !defined(__AVX512BF16__)
+  TORCH_CHECK(f32, "paged_prefill_attention needs a CPU with AVX512-BF16 for bfloat16");
+#endif
+#if !defined(INFERCLOUD_VEC_LANES)
+  TORCH_CHECK(!f32, "paged_prefill_attention needs AVX2 or AVX-512 for float32");
+#endif
   const int64_t head_dim = q.size(2);
   TORCH_CHECK(k_cache.size(2) == head_dim && head_dim % 32 == 0 && head_dim <= 256,
               "head_dim must match the caches and be a multiple of 32, at most 256");
@@ -235,7 +406,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                   chunk_starts.is_contiguous() && chunk_lens.is_contiguous(),
               "one block table row, start and length per chunk");
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
-  TORCH_CHECK(!tiled || block_size == 16, "tiled caches have blocks of 16 tokens");
+  TORCH_CHECK(!tiled || (block_size == 16 && !f32), "tiled caches are bfloat16, blocks of 16");
   const int32_t* starts = chunk_starts.data_ptr<int32_t>();
   const int32_t* lens = chunk_lens.data_ptr<int32_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -253,14 +424,21 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
   TORCH_CHECK(rows == q.size(0), "the chunks' lengths do not add up to q's tokens");
   at::Tensor out = at::empty({q.size(0), q.size(1) * head_dim}, q.options());
-#if defined(__AVX512BF16__)
-  const int64_t num_heads = q.size(1), group = num_heads / num_kv_heads;
   std::vector<Chunk> chunks;
   int64_t row = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     chunks.push_back({row, starts[c], lens[c], tables + c * max_blocks});
     row += lens[c];
   }
+#if defined(INFERCLOUD_VEC_LANES)
+  if (f32) {
+    prefill_f32(q, k_cache, v_cache, chunks, num_kv_heads, num_blocks, static_cast<float>(scale),
+                out);
+    return out;
+  }
+#endif
+#if defined(__AVX512BF16__)
+  const int64_t num_heads = q.size(1), group = num_heads / num_kv_heads;
   // Phase 1: pack every (chunk, KV head)'s keys and values.
   const int64_t tasks = num_chunks * num_kv_heads;
   std::vector<int64_t> k_off(tasks + 1, 0), v_off(tasks + 1, 0);
@@ -341,8 +519,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
       }
     }
   });
-#else
-  TORCH_CHECK(false, "paged_prefill_attention needs a CPU with AVX512-BF16");
 #endif
   return out;
 }

@@ -9,8 +9,9 @@
 // nearest even, NaN to the quiet NaN 0x7FC0, as c10 does); vload_first / vstore_first, which
 // touch only the first n lanes (0 <= n <= kLanes; the rest load as zero and are not written);
 // vkeep_first, which zeroes the lanes from n on; the arithmetic a kernel needs; vsum / vpeak (the
-// sum and maximum of the lanes); vsum_each (kLanes vectors' sums, one per lane); and vexp. A
-// kernel written on these runs at either width; each keeps a scalar path for other CPUs.
+// sum and maximum of the lanes); vsum_each (kLanes vectors' sums, one per lane); vexp; and
+// exp_and_inv_sum, a softmax's numerators. A kernel written on these runs at either width; each
+// keeps a scalar path for other CPUs.
 // load16 / store16 / exp16 name the AVX-512 forms that the bfloat16-only kernels (vdpbf16ps,
 // AMX) use directly.
 #pragma once
@@ -26,7 +27,9 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 
 namespace infercloud_vec {
 
@@ -212,6 +215,28 @@ inline vf vsum_each(const vf (&a)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 #endif
+
+// Softmax numerators in place, exp(s[t] - max), and 1 / their sum, over `count` >= 1 scores.
+inline float exp_and_inv_sum(float* s, int64_t count) {
+  vf peak_v = vset1(-std::numeric_limits<float>::infinity());
+  int64_t t = 0;
+  for (; t + kLanes <= count; t += kLanes) peak_v = vmax(peak_v, vload(s + t));
+  float peak = vpeak(peak_v);
+  for (; t < count; ++t) peak = std::max(peak, s[t]);
+  const vf peak_all = vset1(peak);
+  vf sum_v = vzero();
+  for (t = 0; t + kLanes <= count; t += kLanes) {
+    const vf e = vexp(vsub(vload(s + t), peak_all));
+    vstore(s + t, e);
+    sum_v = vadd(sum_v, e);
+  }
+  if (t < count) {
+    const vf e = vkeep_first(vexp(vsub(vload_first(s + t, count - t), peak_all)), count - t);
+    vstore_first(s + t, e, count - t);
+    sum_v = vadd(sum_v, e);
+  }
+  return 1.0f / vsum(sum_v);
+}
 
 // x rounded to T and read back: the value a torch op producing T hands to the next op.
 template <typename T>
