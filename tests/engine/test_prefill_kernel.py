@@ -7,6 +7,8 @@ engine uses otherwise (matmuls in bfloat16, softmax rounded to bfloat16). The fl
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -48,6 +50,31 @@ def _keys(cache: torch.Tensor, table: list[int], head: int, ctx: int) -> torch.T
     return blocks.reshape(-1, HEAD_DIM)[:ctx]
 
 
+def _per_head(
+    got: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    tables: torch.Tensor,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each (chunk, KV head): the kernel's output rows, the query rows (token-major, the
+    group's heads adjacent), the chunk's keys and values so far, and the causal bias."""
+    row = 0
+    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
+        ctx = start + n
+        future = (
+            torch.arange(ctx)[None, :] > torch.arange(start, ctx).repeat_interleave(GROUP)[:, None]
+        )
+        bias = torch.zeros(future.shape).masked_fill(future, float("-inf"))
+        for h in range(KV_HEADS):
+            heads = slice(h * GROUP, (h + 1) * GROUP)
+            mine = got[row : row + n].view(n, HEADS, HEAD_DIM)[:, heads].reshape(-1, HEAD_DIM)
+            qh = q[row : row + n, heads].reshape(-1, HEAD_DIM)
+            k, v = _keys(k_cache, table, h, ctx), _keys(v_cache, table, h, ctx)
+            yield mine, qh, k, v, bias
+        row += n
+
+
 @bf16
 def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
     q, k_cache, v_cache, tables = _setup()
@@ -56,24 +83,12 @@ def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
     scale = HEAD_DIM**-0.5
     got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
     assert got.shape == (q.shape[0], HEADS * HEAD_DIM) and got.dtype == torch.bfloat16
-    row, err_kernel, err_torch = 0, 0.0, 0.0
-    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
-        ctx = start + n
-        future = (
-            torch.arange(ctx)[None, :] > torch.arange(start, ctx).repeat_interleave(GROUP)[:, None]
-        )
-        for h in range(KV_HEADS):
-            k, v = _keys(k_cache, table, h, ctx), _keys(v_cache, table, h, ctx)
-            qh = q[row : row + n, h * GROUP : (h + 1) * GROUP].reshape(-1, HEAD_DIM)
-            bias = torch.zeros(future.shape).masked_fill(future, float("-inf"))
-            exact = torch.softmax(qh.float() @ k.float().T * scale + bias, -1) @ v.float()
-            plain = torch.softmax(torch.add(bias.bfloat16(), qh @ k.T, alpha=scale), -1) @ v
-            mine = got[row : row + n].view(n, HEADS, HEAD_DIM)[:, h * GROUP : (h + 1) * GROUP]
-            err_kernel = max(
-                err_kernel, (mine.reshape(-1, HEAD_DIM).float() - exact).abs().max().item()
-            )
-            err_torch = max(err_torch, (plain.float() - exact).abs().max().item())
-        row += n
+    err_kernel, err_torch = 0.0, 0.0
+    for mine, qh, k, v, bias in _per_head(got, q, k_cache, v_cache, tables):
+        exact = torch.softmax(qh.float() @ k.float().T * scale + bias, -1) @ v.float()
+        plain = torch.softmax(torch.add(bias.bfloat16(), qh @ k.T, alpha=scale), -1) @ v
+        err_kernel = max(err_kernel, (mine.float() - exact).abs().max().item())
+        err_torch = max(err_torch, (plain.float() - exact).abs().max().item())
     assert err_kernel <= err_torch * 1.25 + 1e-3, (err_kernel, err_torch)
 
 
@@ -115,23 +130,12 @@ def test_float32_matches_causal_attention() -> None:
             v_cache[h * NUM_BLOCKS + last, used:] = float("nan")
     got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
     assert got.shape == (q.shape[0], HEADS * HEAD_DIM) and got.dtype == torch.float32
-    row, err_kernel, err_torch = 0, 0.0, 0.0
-    for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
-        ctx = start + n
-        future = (
-            torch.arange(ctx)[None, :] > torch.arange(start, ctx).repeat_interleave(GROUP)[:, None]
-        )
-        bias = torch.zeros(future.shape).masked_fill(future, float("-inf"))
-        for h in range(KV_HEADS):
-            k, v = _keys(k_cache, table, h, ctx), _keys(v_cache, table, h, ctx)
-            qh = q[row : row + n, h * GROUP : (h + 1) * GROUP].reshape(-1, HEAD_DIM)
-            exact = torch.softmax(qh.double() @ k.double().T * scale + bias.double(), -1)
-            exact = exact @ v.double()
-            plain = torch.softmax(qh @ k.T * scale + bias, -1) @ v
-            mine = got[row : row + n].view(n, HEADS, HEAD_DIM)[:, h * GROUP : (h + 1) * GROUP]
-            err_kernel = max(err_kernel, (mine.reshape(-1, HEAD_DIM) - exact).abs().max().item())
-            err_torch = max(err_torch, (plain.double() - exact).abs().max().item())
-        row += n
+    err_kernel, err_torch = 0.0, 0.0
+    for mine, qh, k, v, bias in _per_head(got, q, k_cache, v_cache, tables):
+        exact = torch.softmax(qh.double() @ k.double().T * scale + bias.double(), -1) @ v.double()
+        plain = torch.softmax(qh @ k.T * scale + bias, -1) @ v
+        err_kernel = max(err_kernel, (mine.double() - exact).abs().max().item())
+        err_torch = max(err_torch, (plain.double() - exact).abs().max().item())
     assert err_kernel <= err_torch * 2 + 1e-6, (err_kernel, err_torch)
 
 

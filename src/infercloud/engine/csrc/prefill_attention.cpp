@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "f32_gemm.h"
@@ -46,6 +47,85 @@ struct Chunk {
   int64_t row_start, start, len;  // first row in q, first position, tokens
   const int32_t* table;
 };
+
+// Every (chunk, KV head) task's keys and values, packed into two arrays at the tasks' offsets.
+template <typename T>
+struct PackedTasks {
+  std::vector<int64_t> k_off, v_off;
+  std::unique_ptr<T[]> k, v;
+  const T* keys(int64_t task) const { return k.get() + k_off[task]; }
+  const T* values(int64_t task) const { return v.get() + v_off[task]; }
+};
+
+// `sizes(ctx)`: the {key, value} elements a task of `ctx` keys packs into; `pack(chunk, kv_head,
+// keys, values)` writes every one of them (the arrays are not initialised). Tasks run in
+// parallel.
+template <typename T, typename Sizes, typename Pack>
+PackedTasks<T> pack_tasks(const std::vector<Chunk>& chunks, int64_t num_kv_heads, Sizes sizes,
+                          Pack pack) {
+  const int64_t tasks = static_cast<int64_t>(chunks.size()) * num_kv_heads;
+  PackedTasks<T> packed{std::vector<int64_t>(tasks + 1, 0), std::vector<int64_t>(tasks + 1, 0),
+                        nullptr, nullptr};
+  for (int64_t i = 0; i < tasks; ++i) {
+    const Chunk& ch = chunks[i / num_kv_heads];
+    const auto [k_size, v_size] = sizes(ch.start + ch.len);
+    packed.k_off[i + 1] = packed.k_off[i] + k_size;
+    packed.v_off[i + 1] = packed.v_off[i] + v_size;
+  }
+  packed.k.reset(new T[packed.k_off[tasks]]);
+  packed.v.reset(new T[packed.v_off[tasks]]);
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      pack(chunks[i / num_kv_heads], i % num_kv_heads, packed.k.get() + packed.k_off[i],
+           packed.v.get() + packed.v_off[i]);
+    }
+  });
+  return packed;
+}
+
+// The query rows of every task in blocks of up to kRowsMax (token-major, the group's heads
+// adjacent, so in position order), in parallel: each block's rows are copied out of q,
+// `attend(scratch, count, q_rows, positions, task, ctx, o_rows)` fills o_rows, and those go to
+// `out` at the same places. `Scratch` is per thread.
+template <typename T, int kRowsMax, typename Scratch, typename Attend>
+void for_each_row_block(const T* q, T* out, const std::vector<Chunk>& chunks,
+                        int64_t num_kv_heads, int64_t num_heads, int64_t head_dim,
+                        Attend attend) {
+  struct Unit {
+    int64_t task, first_row, count;
+  };
+  const int64_t group = num_heads / num_kv_heads;
+  std::vector<Unit> units;
+  for (int64_t i = 0; i < static_cast<int64_t>(chunks.size()) * num_kv_heads; ++i) {
+    const int64_t task_rows = chunks[i / num_kv_heads].len * group;
+    for (int64_t r = 0; r < task_rows; r += kRowsMax) {
+      units.push_back({i, r, std::min<int64_t>(kRowsMax, task_rows - r)});
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    alignas(64) T q_rows[kRowsMax * 256];
+    alignas(64) T o_rows[kRowsMax * 256];
+    int64_t positions[kRowsMax];
+    for (int64_t u = begin; u < end; ++u) {
+      const Unit& unit = units[u];
+      const Chunk& ch = chunks[unit.task / num_kv_heads];
+      const int64_t kv_head = unit.task % num_kv_heads;
+      auto offset = [&](int64_t m) {  // where row m of the block lives in q and out
+        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
+        return ((ch.row_start + token) * num_heads + head) * head_dim;
+      };
+      for (int64_t m = 0; m < unit.count; ++m) {
+        positions[m] = ch.start + (unit.first_row + m) / group;
+        std::copy_n(q + offset(m), head_dim, q_rows + m * head_dim);
+      }
+      attend(scratch, unit.count, q_rows, positions, unit.task, ch.start + ch.len, o_rows);
+      for (int64_t m = 0; m < unit.count; ++m) {
+        std::copy_n(o_rows + m * head_dim, head_dim, out + offset(m));
+      }
+    }
+  });
+}
 
 #if defined(__AVX512BF16__)
 using Bf16 = c10::BFloat16;
@@ -293,81 +373,44 @@ void prefill_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
                  const std::vector<Chunk>& chunks, int64_t num_kv_heads, int64_t num_blocks,
                  float scale, at::Tensor& out) {
   using namespace infercloud_vec;
-  const int64_t head_dim = q.size(2), num_heads = q.size(1), group = num_heads / num_kv_heads;
+  const int64_t head_dim = q.size(2), num_heads = q.size(1);
   const int64_t block_size = k_cache.size(1);
-  const int64_t tasks = static_cast<int64_t>(chunks.size()) * num_kv_heads;
-  std::vector<int64_t> k_off(tasks + 1, 0), v_off(tasks + 1, 0);
-  for (int64_t i = 0; i < tasks; ++i) {
-    const int64_t ctx = chunks[i / num_kv_heads].start + chunks[i / num_kv_heads].len;
-    k_off[i + 1] = k_off[i] + (ctx + kLanes - 1) / kLanes * kLanes * head_dim;
-    v_off[i + 1] = v_off[i] + ctx * head_dim;
-  }
-  // Uninitialised: pack_kv_f32 writes every element.
-  std::unique_ptr<float[]> k_tiles(new float[k_off[tasks]]), v_tiles(new float[v_off[tasks]]);
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Chunk& ch = chunks[i / num_kv_heads];
-      pack_kv_f32(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
-                  head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
-    }
-  });
-  // Blocks of kMR query rows (token-major, the group's heads adjacent) per task.
-  struct Unit {
-    int64_t task, first_row, count;
-  };
-  std::vector<Unit> units;
-  for (int64_t i = 0; i < tasks; ++i) {
-    const int64_t task_rows = chunks[i / num_kv_heads].len * group;
-    for (int64_t r = 0; r < task_rows; r += kMR) {
-      units.push_back({i, r, std::min<int64_t>(kMR, task_rows - r)});
-    }
-  }
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;
-    alignas(64) float q_rows[kMR * 256];
-    alignas(64) float o_rows[kMR * 256];
-    int64_t positions[kMR];
-    for (int64_t u = begin; u < end; ++u) {
-      const Unit& unit = units[u];
-      const Chunk& ch = chunks[unit.task / num_kv_heads];
-      const int64_t kv_head = unit.task % num_kv_heads;
-      for (int64_t m = 0; m < unit.count; ++m) {
-        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
-        positions[m] = ch.start + token;
-        std::copy_n(qp + ((ch.row_start + token) * num_heads + head) * head_dim, head_dim,
-                    q_rows + m * head_dim);
-      }
-      const float* kt = k_tiles.get() + k_off[unit.task];
-      const float* vt = v_tiles.get() + v_off[unit.task];
-      const int64_t ctx = ch.start + ch.len;
-      switch (unit.count) {
-#define INFERCLOUD_ROWS(n)                                                                    \
-  case n:                                                                                     \
-    attend_rows_f32<n>(q_rows, positions, head_dim, kt, vt, ctx, scale, s, o_rows);           \
+  const PackedTasks<float> packed = pack_tasks<float>(
+      chunks, num_kv_heads,
+      [&](int64_t ctx) {
+        return std::pair<int64_t, int64_t>{(ctx + kLanes - 1) / kLanes * kLanes * head_dim,
+                                           ctx * head_dim};
+      },
+      [&](const Chunk& ch, int64_t kv_head, float* keys, float* values) {
+        pack_kv_f32(kc, vc, ch.table, ch.start + ch.len, kv_head, num_blocks, block_size,
+                    head_dim, keys, values);
+      });
+  for_each_row_block<float, kMR, std::vector<float>>(
+      q.data_ptr<float>(), out.data_ptr<float>(), chunks, num_kv_heads, num_heads, head_dim,
+      [&](std::vector<float>& s, int64_t count, const float* q_rows, const int64_t* positions,
+          int64_t task, int64_t ctx, float* o_rows) {
+        const float* kt = packed.keys(task);
+        const float* vt = packed.values(task);
+        switch (count) {
+#define INFERCLOUD_ROWS(n)                                                              \
+  case n:                                                                               \
+    attend_rows_f32<n>(q_rows, positions, head_dim, kt, vt, ctx, scale, s, o_rows);     \
     break;
-        INFERCLOUD_ROWS(1)
-        INFERCLOUD_ROWS(2)
-        INFERCLOUD_ROWS(3)
-        INFERCLOUD_ROWS(4)
+          INFERCLOUD_ROWS(1)
+          INFERCLOUD_ROWS(2)
+          INFERCLOUD_ROWS(3)
+          INFERCLOUD_ROWS(4)
 #if INFERCLOUD_VEC_LANES == 16
-        INFERCLOUD_ROWS(5)
-        INFERCLOUD_ROWS(6)
-        INFERCLOUD_ROWS(7)
-        INFERCLOUD_ROWS(8)
+          INFERCLOUD_ROWS(5)
+          INFERCLOUD_ROWS(6)
+          INFERCLOUD_ROWS(7)
+          INFERCLOUD_ROWS(8)
 #endif
 #undef INFERCLOUD_ROWS
-      }
-      for (int64_t m = 0; m < unit.count; ++m) {
-        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
-        std::copy_n(o_rows + m * head_dim,
-                    head_dim, op + ((ch.row_start + token) * num_heads + head) * head_dim);
-      }
-    }
-  });
+        }
+      });
 }
 #endif  // INFERCLOUD_VEC_LANES
 
@@ -438,87 +481,52 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   }
 #endif
 #if defined(__AVX512BF16__)
-  const int64_t num_heads = q.size(1), group = num_heads / num_kv_heads;
-  // Phase 1: pack every (chunk, KV head)'s keys and values.
-  const int64_t tasks = num_chunks * num_kv_heads;
-  std::vector<int64_t> k_off(tasks + 1, 0), v_off(tasks + 1, 0);
-  for (int64_t i = 0; i < tasks; ++i) {
-    const int64_t ctx = chunks[i / num_kv_heads].start + chunks[i / num_kv_heads].len;
-    k_off[i + 1] = k_off[i] + (ctx + 15) / 16 * head_dim * 16;
-    v_off[i + 1] = v_off[i] + (ctx + 1) / 2 * 2 * head_dim;
-  }
-  // Uninitialised: pack_kv writes every element (a vector would zero them all first).
-  std::unique_ptr<Bf16[]> k_tiles(new Bf16[k_off[tasks]]), v_tiles(new Bf16[v_off[tasks]]);
+  const int64_t num_heads = q.size(1);
   const Bf16* kc = k_cache.data_ptr<Bf16>();
   const Bf16* vc = v_cache.data_ptr<Bf16>();
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const Chunk& ch = chunks[i / num_kv_heads];
-      if (tiled) {
-        copy_kv_tiles(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, head_dim,
-                      k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
-      } else {
-        pack_kv(kc, vc, ch.table, ch.start + ch.len, i % num_kv_heads, num_blocks, block_size,
-                head_dim, k_tiles.get() + k_off[i], v_tiles.get() + v_off[i]);
-      }
-    }
-  });
-  // Phase 2: blocks of 8 query rows (token-major, the group's heads adjacent) per task.
-  struct Unit {
-    int64_t task, first_row, count;
-  };
-  std::vector<Unit> units;
-  for (int64_t i = 0; i < tasks; ++i) {
-    const int64_t task_rows = chunks[i / num_kv_heads].len * group;
-    for (int64_t r = 0; r < task_rows; r += kRows) {
-      units.push_back({i, r, std::min<int64_t>(kRows, task_rows - r)});
-    }
-  }
-  const Bf16* qp = q.data_ptr<Bf16>();
-  Bf16* op = out.data_ptr<Bf16>();
-  const float scale_f = static_cast<float>(scale);
-  at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+  const PackedTasks<Bf16> packed = pack_tasks<Bf16>(
+      chunks, num_kv_heads,
+      [&](int64_t ctx) {
+        return std::pair<int64_t, int64_t>{(ctx + 15) / 16 * head_dim * 16,
+                                           (ctx + 1) / 2 * 2 * head_dim};
+      },
+      [&](const Chunk& ch, int64_t kv_head, Bf16* keys, Bf16* values) {
+        if (tiled) {
+          copy_kv_tiles(kc, vc, ch.table, ch.start + ch.len, kv_head, num_blocks, head_dim, keys,
+                        values);
+        } else {
+          pack_kv(kc, vc, ch.table, ch.start + ch.len, kv_head, num_blocks, block_size, head_dim,
+                  keys, values);
+        }
+      });
+  struct Scratch {
     std::vector<float> s;
     std::vector<Bf16> p;
-    alignas(64) Bf16 q_rows[kRows * 256];
-    alignas(64) Bf16 o_rows[kRows * 256];
-    int64_t positions[kRows];
-    for (int64_t u = begin; u < end; ++u) {
-      const Unit& unit = units[u];
-      const Chunk& ch = chunks[unit.task / num_kv_heads];
-      const int64_t kv_head = unit.task % num_kv_heads;
-      const int64_t ctx = ch.start + ch.len;
-      for (int64_t m = 0; m < unit.count; ++m) {
-        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
-        positions[m] = ch.start + token;
-        std::copy_n(qp + ((ch.row_start + token) * num_heads + head) * head_dim, head_dim,
-                    q_rows + m * head_dim);
-      }
-      const Bf16* kt = k_tiles.get() + k_off[unit.task];
-      const Bf16* vt = v_tiles.get() + v_off[unit.task];
-      switch (unit.count) {
-#define INFERCLOUD_ROWS(n)                                                                       \
-  case n:                                                                                        \
-    attend_rows<n>(q_rows, head_dim, positions, head_dim, kt, vt, ctx, scale_f, s, p, o_rows,    \
-                   head_dim);                                                                    \
+  };
+  const float scale_f = static_cast<float>(scale);
+  for_each_row_block<Bf16, kRows, Scratch>(
+      q.data_ptr<Bf16>(), out.data_ptr<Bf16>(), chunks, num_kv_heads, num_heads, head_dim,
+      [&](Scratch& scratch, int64_t count, const Bf16* q_rows, const int64_t* positions,
+          int64_t task, int64_t ctx, Bf16* o_rows) {
+        const Bf16* kt = packed.keys(task);
+        const Bf16* vt = packed.values(task);
+        switch (count) {
+#define INFERCLOUD_ROWS(n)                                                                    \
+  case n:                                                                                     \
+    attend_rows<n>(q_rows, head_dim, positions, head_dim, kt, vt, ctx, scale_f, scratch.s,    \
+                   scratch.p, o_rows, head_dim);                                              \
     break;
-        INFERCLOUD_ROWS(1)
-        INFERCLOUD_ROWS(2)
-        INFERCLOUD_ROWS(3)
-        INFERCLOUD_ROWS(4)
-        INFERCLOUD_ROWS(5)
-        INFERCLOUD_ROWS(6)
-        INFERCLOUD_ROWS(7)
-        INFERCLOUD_ROWS(8)
+          INFERCLOUD_ROWS(1)
+          INFERCLOUD_ROWS(2)
+          INFERCLOUD_ROWS(3)
+          INFERCLOUD_ROWS(4)
+          INFERCLOUD_ROWS(5)
+          INFERCLOUD_ROWS(6)
+          INFERCLOUD_ROWS(7)
+          INFERCLOUD_ROWS(8)
 #undef INFERCLOUD_ROWS
-      }
-      for (int64_t m = 0; m < unit.count; ++m) {
-        const int64_t r = unit.first_row + m, token = r / group, head = kv_head * group + r % group;
-        std::copy_n(o_rows + m * head_dim, head_dim,
-                    op + ((ch.row_start + token) * num_heads + head) * head_dim);
-      }
-    }
-  });
+        }
+      });
 #endif
   return out;
 }
