@@ -73,13 +73,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefill-attention",
         default="auto",
         choices=["auto", "kernel", "torch"],
-        help="prefill chunks through our CPU kernel (bfloat16, AVX512-BF16) or torch matmuls",
+        help="prefill chunks through our CPU kernel (bfloat16 with AVX512-BF16, float32 with "
+        "AVX2 or AVX-512) or torch matmuls",
     )
     engine.add_argument(
         "--linear-kernel",
         default="auto",
         choices=["auto", "kernel", "onednn"],
-        help="linear layers through our bfloat16 GEMM (AVX512-BF16 CPUs) or oneDNN; "
+        help="linear layers through our GEMM (bfloat16 with AVX512-BF16, float32 with AVX2 or "
+        "AVX-512) or oneDNN; "
         "auto: whichever is faster on this CPU, timed at start",
     )
     engine.add_argument(
@@ -281,7 +283,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}, linear layers: {linear}"
+        f"{'kernel' if llm.decode_kernel else 'torch'}, prefill attention: "
+        f"{'kernel' if llm.prefill_kernel else 'torch'}, linear layers: {linear}"
         f"{', layers stacked in C++' if llm.stacked_layers else ''}"
         f"{', tiled KV blocks' if llm.kv_tiled else ''}) "
         f"on http://{args.host}:{args.port}",
