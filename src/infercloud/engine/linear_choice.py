@@ -7,7 +7,7 @@ oneDNN runs on the tile unit, and ours, before it had a tile path of its own, wa
 at every row count (32-row up-projection: 629 vs 144 us), which took the engine from 449 to
 202 output tok/s. With its tile path ours leads there at decode sizes and trails oneDNN at 512
 rows on the up-projection. In float32 on an AVX2-only EPYC (Zen 3), ours (`linear_f32`) ran
-155-173 GFLOP/s at 32 rows against oneDNN's 99-133, and 183-190 against 151-161 at 512 rows
+134-176 GFLOP/s at 32 rows against oneDNN's 97-132, and 183-190 against 151-161 at 512 rows
 (`benchmarks/linear_kernel.py --dtype float32`). Instruction-set flags do not settle such races, so
 `EngineConfig.linear_kernel="auto"` times both, once, at engine start.
 
