@@ -65,8 +65,6 @@ struct Shape {
 };
 
 #if defined(INFERCLOUD_VEC_LANES)
-using infercloud_vec::kLanes;
-using infercloud_vec::vf;
 using namespace infercloud_vec;
 
 // Blocks are scattered over the pool, so the hardware prefetcher, which follows sequential

@@ -332,13 +332,10 @@ void rows_times_tiles(const float* x, int64_t ldx, int64_t k, const float* w, in
     micro_kernel<MR, 3>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
                         valid - t * kLanes);
   }
-  if (tiles - t == 2) {
-    micro_kernel<MR, 2>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
-                        valid - t * kLanes);
-  } else if (tiles - t == 1) {
-    micro_kernel<MR, 1>(x, ldx, k, w + t * tile_stride, tile_stride, y + t * kLanes, ldy,
-                        valid - t * kLanes);
-  }
+  with_count<2>(tiles - t, [&](auto nr) {
+    micro_kernel<MR, decltype(nr)::value>(x, ldx, k, w + t * tile_stride, tile_stride,
+                                          y + t * kLanes, ldy, valid - t * kLanes);
+  });
 }
 
 // MR query rows (q, head_dim apart, at `positions`, ascending) over their keys: out [MR][head_dim].
@@ -393,23 +390,10 @@ void prefill_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
           int64_t task, int64_t ctx, float* o_rows) {
         const float* kt = packed.keys(task);
         const float* vt = packed.values(task);
-        switch (count) {
-#define INFERCLOUD_ROWS(n)                                                              \
-  case n:                                                                               \
-    attend_rows_f32<n>(q_rows, positions, head_dim, kt, vt, ctx, scale, s, o_rows);     \
-    break;
-          INFERCLOUD_ROWS(1)
-          INFERCLOUD_ROWS(2)
-          INFERCLOUD_ROWS(3)
-          INFERCLOUD_ROWS(4)
-#if INFERCLOUD_VEC_LANES == 16
-          INFERCLOUD_ROWS(5)
-          INFERCLOUD_ROWS(6)
-          INFERCLOUD_ROWS(7)
-          INFERCLOUD_ROWS(8)
-#endif
-#undef INFERCLOUD_ROWS
-        }
+        with_count<kMR>(count, [&](auto rows) {
+          attend_rows_f32<decltype(rows)::value>(q_rows, positions, head_dim, kt, vt, ctx, scale,
+                                                 s, o_rows);
+        });
       });
 }
 #endif  // INFERCLOUD_VEC_LANES
@@ -510,22 +494,10 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
           int64_t task, int64_t ctx, Bf16* o_rows) {
         const Bf16* kt = packed.keys(task);
         const Bf16* vt = packed.values(task);
-        switch (count) {
-#define INFERCLOUD_ROWS(n)                                                                    \
-  case n:                                                                                     \
-    attend_rows<n>(q_rows, head_dim, positions, head_dim, kt, vt, ctx, scale_f, scratch.s,    \
-                   scratch.p, o_rows, head_dim);                                              \
-    break;
-          INFERCLOUD_ROWS(1)
-          INFERCLOUD_ROWS(2)
-          INFERCLOUD_ROWS(3)
-          INFERCLOUD_ROWS(4)
-          INFERCLOUD_ROWS(5)
-          INFERCLOUD_ROWS(6)
-          INFERCLOUD_ROWS(7)
-          INFERCLOUD_ROWS(8)
-#undef INFERCLOUD_ROWS
-        }
+        infercloud_vec::with_count<kRows>(count, [&](auto rows) {
+          attend_rows<decltype(rows)::value>(q_rows, head_dim, positions, head_dim, kt, vt, ctx,
+                                             scale_f, scratch.s, scratch.p, o_rows, head_dim);
+        });
       });
 #endif
   return out;

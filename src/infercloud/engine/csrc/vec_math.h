@@ -9,8 +9,8 @@
 // nearest even, NaN to the quiet NaN 0x7FC0, as c10 does); vload_first / vstore_first, which
 // touch only the first n lanes (0 <= n <= kLanes; the rest load as zero and are not written);
 // vkeep_first, which zeroes the lanes from n on; the arithmetic a kernel needs; vsum / vpeak (the
-// sum and maximum of the lanes); vsum_each (kLanes vectors' sums, one per lane); vexp; and
-// exp_and_inv_sum, a softmax's numerators. A kernel written on these runs at either width; each
+// sum and maximum of the lanes); vsum_each (kLanes vectors' sums, one per lane); vexp;
+// exp_and_inv_sum, a softmax's numerators; and with_count, from a run-time count to a template. A kernel written on these runs at either width; each
 // keeps a scalar path for other CPUs.
 // load16 / store16 / exp16 name the AVX-512 forms that the bfloat16-only kernels (vdpbf16ps,
 // AMX) use directly.
@@ -30,6 +30,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 namespace infercloud_vec {
 
@@ -236,6 +238,20 @@ inline float exp_and_inv_sum(float* s, int64_t count) {
     sum_v = vadd(sum_v, e);
   }
   return 1.0f / vsum(sum_v);
+}
+
+// fn(std::integral_constant<int, n>{}) for a count n in [1, kMax] known only at run time: how a
+// kernel templated on its row or tile count (so that its accumulators live in registers) is
+// reached; nothing happens for n outside that range.
+template <int kMax, typename Fn>
+inline void with_count(int64_t n, Fn&& fn) {
+  if constexpr (kMax >= 1) {
+    if (n == kMax) {
+      fn(std::integral_constant<int, kMax>{});
+    } else {
+      with_count<kMax - 1>(n, std::forward<Fn>(fn));
+    }
+  }
 }
 
 // x rounded to T and read back: the value a torch op producing T hands to the next op.
