@@ -14,8 +14,13 @@
     about 4,300 tokens) holds fewer than three of the prompts. Caching on both times, the host
     tier off vs on (`--host-cache-bytes 512MiB`, room for all six): mean / p99 TTFT, throughput,
     and hits per tier.
+(d) Demand the engine can see: the six agents of (c), arriving faster than the engine serves
+    them, so that requests queue while the pool (no host tier) holds fewer prompts than there
+    are agents. Eviction policy LRU vs value-aware (which keeps first the blocks that a queued
+    request will match, `KVCacheManager.note_waiting`): mean / p99 TTFT, throughput, hit rate.
 
-    .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier] [--out F]
+    .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier,demand]
+        [--dtype auto|float32|bfloat16] [--out F]
 """
 
 from __future__ import annotations
@@ -98,6 +103,11 @@ def cache_counters(url: str, tier: str = "device") -> tuple[float, float]:
     return hits, queries
 
 
+DTYPE = ["auto"]
+"""The engine's `--dtype` (main sets it): auto is bfloat16 where the CPU computes it natively
+(AVX512-BF16 or AMX), float32 elsewhere."""
+
+
 def run_engine(label: str, extra: list[str], reqs: list[Req]) -> dict[str, float]:
     """Start `infercloud engine` with `extra` flags, replay `reqs`, stop it."""
     from infercloud.models.registry import prepare_default_model
@@ -106,7 +116,7 @@ def run_engine(label: str, extra: list[str], reqs: list[Req]) -> dict[str, float
     logs = ROOT / "benchmarks" / "results"
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
-    cmd += ["--dtype", "bfloat16", "--port", "8203", "--served-model-name", "m"]
+    cmd += ["--dtype", DTYPE[0], "--port", "8203", "--served-model-name", "m"]
     cmd += ["--log-level", "warning", *extra]
     server = Server(cmd, 8203, {}, logs / f"prefix_cache_{label}.log", 300.0)
     try:
@@ -152,6 +162,20 @@ def tier_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
     return out
 
 
+def demand_lru_vs_value(n: int, rate_per_s: float, pool: str) -> dict[str, dict[str, float]]:
+    reqs = multi_agent_workload(49152, n, rate_per_s, agents=6, seed=1)
+    flags = ["--kv-cache-bytes", pool, "--eviction-policy"]
+    out = {p: run_engine(f"demand_{p}", [*flags, p], reqs) for p in ("lru", "value")}
+    out["ratios"] = {
+        "mean_ttft_lru_over_value": out["lru"]["mean_ttft_ms"] / out["value"]["mean_ttft_ms"],
+        "p99_ttft_lru_over_value": out["lru"]["p99_ttft_ms"] / out["value"]["p99_ttft_ms"],
+        "throughput_value_over_lru": out["value"]["output_throughput"]
+        / out["lru"]["output_throughput"],
+    }
+    print(json.dumps(out["ratios"]), flush=True)
+    return out
+
+
 def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
     reqs = agent_workload(49152, n, rate_per_s)
     out = {
@@ -171,11 +195,16 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.5, help="requests per second (caching)")
     parser.add_argument("--tier-requests", type=int, default=40)
     parser.add_argument("--tier-rate", type=float, default=0.2, help="requests per second (tier)")
+    parser.add_argument("--demand-requests", type=int, default=48)
+    parser.add_argument("--demand-rate", type=float, default=1.0, help="requests per second")
+    parser.add_argument("--demand-pool", default="100MiB", help="device KV pool (demand)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_cache.json"
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
+    DTYPE[0] = args.dtype
     report: dict[str, object] = {}
     if "policies" in parts:
         report["policies"] = policies_on_trace(args.trace)
@@ -183,6 +212,10 @@ def main() -> None:
         report["engine"] = engine_on_off(args.requests, args.rate)
     if "tier" in parts:
         report["host_tier"] = tier_on_off(args.tier_requests, args.tier_rate)
+    if "demand" in parts:
+        report["demand"] = demand_lru_vs_value(
+            args.demand_requests, args.demand_rate, args.demand_pool
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
 

@@ -62,7 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="turn the prefix cache off",
     )
-    engine.add_argument("--eviction-policy", default="lru", choices=["lru", "value"])
+    engine.add_argument(
+        "--eviction-policy",
+        default="lru",
+        choices=["lru", "value"],
+        help="lru: least recently used first (vLLM's); value: blocks a queued request will "
+        "match last (the soonest needed kept longest), the rest by learned reuse odds",
+    )
     engine.add_argument(
         "--decode-attention",
         default="auto",

@@ -351,3 +351,76 @@ def test_a_policy_that_learns_nothing_costs_no_outcome_bookkeeping() -> None:
     removed = [h for e in events if e.kind == "removed" for h in e.block_hashes]
     assert removed and (cache.stats.feature_class == PENDING).all()
     assert all(cache.recently_evicted.pop_history(h) is None for h in removed)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "free", "wait", "unwait", "evict"]),
+            st.integers(0, 5),
+            st.integers(1, 20),
+        ),
+        max_size=60,
+    )
+)
+def test_waiting_counts_follow_the_queue_under_random_traffic(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """Requests join and leave the queue while others store and evict blocks: every cached
+    block's waiting count is the number of queued requests whose prompt holds its prefix
+    (`check_invariants`), also for blocks stored after the request joined; none is left
+    once the queue is empty."""
+    kv, cache, _ = make(num_blocks=12, policy=ValueAwarePolicy())
+    open_requests: list[str] = []
+    queued: dict[str, list[int]] = {}
+    orders: dict[str, float] = {}
+    for step, (op, which, length) in enumerate(ops):
+        now = float(step)
+        tokens = [which * 100 + (i % 3) for i in range(length)]
+        if op == "add":
+            rid = f"r{step}"
+            if kv.allocate_slots(rid, length, now, kv.match("", tokens)):
+                kv.cache_blocks(rid, "", lambda a, b, t=tokens: t[a:b], length, now)
+                open_requests.append(rid)
+        elif op == "free" and open_requests:
+            kv.free(open_requests.pop(which % len(open_requests)))
+        elif op == "wait":
+            queued[f"w{step}"] = tokens
+            orders[f"w{step}"] = float(which)
+            kv.note_waiting(f"w{step}", "", tokens, float(which))
+        elif op == "unwait" and queued:
+            rid = sorted(queued)[which % len(queued)]
+            kv.drop_waiting(rid)
+            del queued[rid]
+        elif op == "evict":
+            cache.evict(which + 1, now)
+        cache.check_invariants()
+        for block in range(12):
+            node = cache.node_of(block)
+            if node is None:
+                continue
+            wanted = [
+                orders[rid] for rid, t in queued.items() if node in cache.match("", t, len(t) - 1)
+            ]
+            assert cache.stats.waiting[block] == len(wanted)
+            assert cache.stats.wanted_order[block] == min(wanted, default=np.inf)
+    for rid in list(queued):
+        kv.drop_waiting(rid)
+    cache.check_invariants()
+    assert not cache.stats.waiting.any() or all(
+        cache.node_of(b) is None for b in np.flatnonzero(cache.stats.waiting)
+    )
+
+
+def test_value_policy_keeps_queued_demand_first_the_soonest_needed_highest() -> None:
+    stats = BlockStats.empty(4)
+    for block in range(4):
+        stats.record_insert(block, 1, 100 + block, 0.0)
+    stats.record_hit(0, 1.0)  # history makes block 0 likely to be used again, but nobody waits
+    stats.waiting[1], stats.wanted_order[1] = 1, 7.0  # wanted by the 5th request in line
+    stats.waiting[2], stats.wanted_order[2] = 2, 3.0  # by the head
+    stats.waiting[3], stats.wanted_order[3] = 1, 4.0
+    stats.queue_head_order = 3.0
+    p = ValueAwarePolicy().priorities(stats, np.arange(4), 2.0)
+    assert p[0] <= 1.0 < 2.0 < p[1] < p[3] < p[2] == 3.0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infercloud.cache.block_pool import BlockPool
+from infercloud.cache.eviction import ValueAwarePolicy
 from infercloud.cache.kv_cache_manager import KVCacheManager
+from infercloud.cache.prefix_cache import PrefixCache
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -30,6 +33,16 @@ def req(
         sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
         arrival_time_s=arrival,
         priority=priority,
+        max_total_tokens=10_000,
+    )
+
+
+def prompt_req(rid: str, prompt: list[int], max_tokens: int = 1) -> Request:
+    return Request(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        arrival_time_s=0.0,
         max_total_tokens=10_000,
     )
 
@@ -162,3 +175,31 @@ def test_every_request_finishes_with_exact_output_and_no_leak(
         assert r.status is RequestStatus.FINISHED_LENGTH
         assert r.num_output_tokens == r.sampling_params.max_tokens
     assert kv.block_pool.num_free_blocks == num_blocks
+
+
+@pytest.mark.parametrize("wanted", ["p", "q"])
+def test_a_prefix_a_waiting_request_will_match_outlives_the_others(wanted: str) -> None:
+    """Two idle cached prefixes, room for one: the one a queued request will match stays
+    (value policy, which reads demand), whichever it is, and that request starts from it."""
+    pool = BlockPool(8)
+    cache = PrefixCache(pool, 4, ValueAwarePolicy())
+    kv = KVCacheManager(pool, 4, cache)
+    s = Scheduler(SchedulerConfig(max_num_seqs=1), kv, {EOS})
+    prompts = {"p": list(range(1, 14)), "q": list(range(101, 114))}  # 3 full blocks each
+    for name, prompt in prompts.items():
+        s.add_request(prompt_req(name, prompt))
+        fake_step(s)
+    assert len(cache) == 6 and pool.num_free_blocks == 2
+    # "c" runs first and needs 5 blocks (3 evicted); "w" waits behind it (one slot)
+    s.add_request(prompt_req("c", list(range(201, 218))))
+    w_prompt = [*prompts[wanted][:12], 55, 56]
+    s.add_request(prompt_req("w", w_prompt))
+    cache.check_invariants()
+    assert fake_step(s).chunks[0].request.request_id == "c"
+    cache.check_invariants()
+    out = fake_step(s)
+    assert out.chunks[0].request.request_id == "w"
+    assert out.chunks[0].request.num_cached_tokens == 12
+    cache.check_invariants()
+    assert not s.has_unfinished()
+    assert all(cache.stats.waiting[b] == 0 for b in range(8) if cache.node_of(b) is not None)

@@ -141,7 +141,12 @@ class BlockStats:
     depth: IntArray
     """Position of the block in its prompt, in blocks (1 = first)."""
     waiting: IntArray
-    """Requests waiting in the queue whose prompt matches this block."""
+    """Requests waiting in the engine's queue whose prompt contains this block's prefix: kept
+    by `PrefixCache` from its demand (`PrefixCache.add_demand`) for a policy that
+    `reads_waiting`, zero otherwise."""
+    wanted_order: FloatArray
+    """The queue order of the first of those requests (their place in the queue: smaller is
+    scheduled sooner), inf if none."""
     key: IntArray
     """The block's prefix hash (what Belady's future is keyed by)."""
     feature_class: IntArray
@@ -154,6 +159,9 @@ class BlockStats:
     gap_hits: IntArray
     """Per state and `gap_bucket`: uses so far of blocks in that state whose gap since the
     block's previous use (or insertion) fell in that bucket."""
+    queue_head_order: float = 0.0
+    """The queue order of the request at the head of the queue (set by `PrefixCache` before
+    it ranks candidates): `wanted_order` minus this is how far back the first need waits."""
     idle_at_eviction_s: float = 0.0
     """Moving average (`IDLE_AVERAGE_WEIGHT` per block) of how long evicted blocks had been
     idle: how long the cache lately keeps a block nobody uses."""
@@ -166,6 +174,7 @@ class BlockStats:
             num_hits=np.zeros(num_blocks, dtype=np.int64),
             depth=np.zeros(num_blocks, dtype=np.int64),
             waiting=np.zeros(num_blocks, dtype=np.int64),
+            wanted_order=np.full(num_blocks, np.inf),
             key=np.zeros(num_blocks, dtype=np.int64),
             feature_class=np.zeros(num_blocks, dtype=np.int64),
             state_entered=np.zeros(NUM_STATES, dtype=np.int64),
@@ -202,6 +211,7 @@ class BlockStats:
         self.num_hits[index] = 0
         self.depth[index] = depth
         self.waiting[index] = 0
+        self.wanted_order[index] = np.inf
         self.key[index] = key
         self.feature_class[index] = PENDING
 
@@ -311,8 +321,11 @@ class ValueAwarePolicy:
       horizon   = how long idle blocks have lately stayed before eviction (`BlockStats.
                   idle_at_eviction_s`; `min_horizon_s` at least): the time a kept block has;
       priority  = P(used within the horizon | not used for `age`)
-                = p (S_s(age) - S_s(age + horizon)) / (p S_s(age) + 1 - p)
-                  + waiting requests (demand already queued: certain).
+                = p (S_s(age) - S_s(age + horizon)) / (p S_s(age) + 1 - p),   in [0, 1];
+    and a block that a queued request will match (`BlockStats.waiting`: demand the engine
+    sees before the cache does, certain) ranks above all of those, the one needed soonest
+    highest, as Belady's rule would over the visible part of the future:
+      priority  = 2 + 1 / (1 + queue positions before its first waiting request),  in (2, 3].
     Every block holds the same bytes, so a probability per block orders as one per byte.
     The policy reads no clock and no future: only `stats` and the `now_s` it is given.
     """
@@ -322,6 +335,9 @@ class ValueAwarePolicy:
     min_horizon_s: float = 1.0
     name: str = "value"
     learns_outcomes: bool = True
+    reads_waiting: bool = True
+    """The cache keeps `BlockStats.waiting` and `wanted_order` for it: a block a queued
+    request will match is kept before any block nobody is waiting for."""
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
         entered = stats.state_entered.astype(np.float64)
@@ -336,7 +352,11 @@ class ValueAwarePolicy:
         s_now = survival(edges, age_s)
         s_end = survival(edges, age_s + horizon_s)
         soon: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
-        return soon + stats.waiting[candidates]
+        wanted = stats.waiting[candidates] > 0
+        if not wanted.any():
+            return soon
+        behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
+        return np.where(wanted, 2.0 + 1.0 / (1.0 + np.where(wanted, behind, 0.0)), soon)
 
 
 def survival_edges(gap_hits: IntArray, prior_hits: float) -> FloatArray:

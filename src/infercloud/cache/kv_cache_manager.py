@@ -35,7 +35,7 @@ from typing import Protocol
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import RequestShape, request_class
 from infercloud.cache.host_tier import HostEntry, HostTier
-from infercloud.cache.prefix_cache import CacheEvent, CacheNode, PrefixCache, salt_hash
+from infercloud.cache.prefix_cache import CacheEvent, CacheNode, Demand, PrefixCache, salt_hash
 from infercloud.cache.transfer_cost import TransferCostModel
 
 
@@ -87,6 +87,7 @@ class KVCacheManager:
     __slots__ = (
         "_cache_tail",
         "_cached_upto",
+        "_demand",
         "_hit",
         "_stored",
         "_tables",
@@ -122,6 +123,9 @@ class KVCacheManager:
         """Where each request's walk down the prefix cache ended, to resume there."""
         self._stored: dict[str, list[int]] = {}
         """Blocks each request stored in the prefix cache (classified when it finishes)."""
+        self._demand: dict[str, Demand] = {}
+        """The prefix claim of each waiting request (`note_waiting`), with a policy that reads
+        demand."""
 
     @property
     def num_available_blocks(self) -> int:
@@ -153,6 +157,25 @@ class KVCacheManager:
             first = len(device) * self.block_size
             del host[second.cost.blocks_worth_loading(first, len(host)) :]
         return PrefixHit(device, host)
+
+    def note_waiting(
+        self, request_id: str, salt: str, token_ids: Sequence[int], order: float
+    ) -> None:
+        """The request (re)joins the queue at place `order` (smaller is scheduled sooner): the
+        blocks it will match count as wanted, so that a policy reading demand keeps them, the
+        soonest needed first, until it is scheduled (`drop_waiting`)."""
+        if self.prefix_cache is None or request_id in self._demand:
+            return
+        ticket = self.prefix_cache.add_demand(salt, token_ids, len(token_ids) - 1, order)
+        if ticket is not None:
+            self._demand[request_id] = ticket
+
+    def drop_waiting(self, request_id: str) -> None:
+        """The request left the queue (scheduled, finished or aborted); a no-op if it had no
+        claim."""
+        ticket = self._demand.pop(request_id, None)
+        if ticket is not None and self.prefix_cache is not None:
+            self.prefix_cache.drop_demand(ticket)
 
     def num_new_blocks_needed(self, request_id: str, num_tokens: int) -> int:
         """Blocks to add so that the request's table can hold `num_tokens` tokens."""

@@ -23,7 +23,10 @@ Invariants (tested with hypothesis):
   leaf is in the candidate set;
 - a block with two references or more is in the tree (requests share blocks only through it,
   and it gives up only idle blocks), which the ledger's meter relies on;
-- `match` returns only nodes under the root of the salt asked for.
+- `match` returns only nodes under the root of the salt asked for;
+- with a policy that reads demand, each cached block's `BlockStats.waiting` equals the number
+  of live `add_demand` tickets that contain its prefix hash (zero otherwise), and its
+  `wanted_order` the smallest of their queue orders (inf if none).
 """
 
 from __future__ import annotations
@@ -139,6 +142,19 @@ class CacheEvent:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A waiting request's claim on the prefix it will look up (`PrefixCache.add_demand`):
+    its full blocks' token ids and prefix hashes, under its salt, and its place in the queue
+    (`order`: smaller is scheduled sooner), to give back with `PrefixCache.drop_demand` when
+    it leaves the queue."""
+
+    salt: str
+    keys: tuple[tuple[int, ...], ...]
+    hashes: tuple[int, ...]
+    order: float
+
+
 class PrefixCache:
     def __init__(
         self,
@@ -167,6 +183,13 @@ class PrefixCache:
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
+        self.reads_waiting = bool(getattr(policy, "reads_waiting", False))
+        """Whether the policy ranks by `BlockStats.waiting`: only then is demand counted."""
+        self._demand: dict[int, list[float]] = {}
+        """Per prefix hash, the queue orders of the waiting requests whose prompt contains it
+        (`add_demand`), cached or not: a block stored later for that prefix starts with them."""
+        self._queue_orders: dict[float, int] = {}
+        """The queue orders of all live demands (how many at each), for the queue's head."""
         self.recently_evicted = RecentlyEvicted(EVICTED_HASHES_KEPT)
         """The latest evicted blocks (at least the last `EVICTED_HASHES_KEPT`), so that the
         ledger can tell context that is computed again from context never seen and, with a
@@ -227,6 +250,68 @@ class PrefixCache:
 
     def num_idle_among(self, nodes: Iterable[CacheNode]) -> int:
         return sum(1 for n in nodes if self.pool.ref_count(n.block_id) == 1)
+
+    # -- demand of waiting requests ---------------------------------------------------------
+
+    def add_demand(
+        self, salt: str, token_ids: Sequence[int], max_tokens: int, order: float
+    ) -> Demand | None:
+        """A request joins the queue at place `order` (smaller is scheduled sooner): each full
+        block of its first `max_tokens` tokens is wanted by one more waiting request, cached
+        now or stored later (`BlockStats.waiting`, `wanted_order`). None when the policy does
+        not read demand. Give the result back with `drop_demand` exactly once."""
+        if not self.reads_waiting:
+            return None
+        bs = self.block_size
+        keys = tuple(
+            tuple(token_ids[start : start + bs])
+            for start in range(0, max(0, max_tokens) // bs * bs, bs)
+        )
+        hashes: list[int] = []
+        parent = salt_hash(salt)
+        demand = self._demand
+        for key in keys:
+            parent = chain_hash(parent, key)
+            hashes.append(parent)
+            demand.setdefault(parent, []).append(order)
+        self._queue_orders[order] = self._queue_orders.get(order, 0) + 1
+        ticket = Demand(salt, keys, tuple(hashes), order)
+        self._refresh_cached(ticket)
+        return ticket
+
+    def drop_demand(self, ticket: Demand | None) -> None:
+        """The request of `ticket` left the queue (scheduled, finished or aborted)."""
+        if ticket is None:
+            return
+        demand = self._demand
+        for h in ticket.hashes:
+            orders = demand[h]
+            orders.remove(ticket.order)
+            if not orders:
+                del demand[h]
+        left = self._queue_orders[ticket.order] - 1
+        if left:
+            self._queue_orders[ticket.order] = left
+        else:
+            del self._queue_orders[ticket.order]
+        self._refresh_cached(ticket)
+
+    def _refresh_cached(self, ticket: Demand) -> None:
+        """The demand on the ticket's blocks changed: those cached now (a prefix of them: the
+        tree is closed under prefixes) take it."""
+        node = self._roots.get(ticket.salt)
+        for key, block_hash in zip(ticket.keys, ticket.hashes, strict=True):
+            if node is None:
+                return
+            node = node.children.get(key)
+            if node is not None:
+                self._set_wanted(node.block_id, block_hash)
+
+    def _set_wanted(self, block: int, block_hash: int) -> None:
+        """`BlockStats.waiting` and `wanted_order` of a cached block, from the demand."""
+        orders = self._demand.get(block_hash)
+        self.stats.waiting[block] = len(orders) if orders else 0
+        self.stats.wanted_order[block] = min(orders) if orders else np.inf
 
     # -- references ----------------------------------------------------------------------------
 
@@ -363,6 +448,9 @@ class PrefixCache:
         depths = list(range(node.depth + 1, node.depth + 1 + len(blocks)))
         stats = self.stats
         stats.record_inserts(blocks, depths, stored, now_s)
+        if self._demand:
+            for block, block_hash in zip(blocks, stored, strict=True):
+                self._set_wanted(block, block_hash)
         if self.policy.learns_outcomes:
             evicted = self.recently_evicted
             for block, block_hash in zip(blocks, stored, strict=True):
@@ -455,6 +543,8 @@ class PrefixCache:
         self.pool.release(unlinked)
 
     def _evict_ranking(self, num_blocks: int, now_s: float, evicted: list[CacheNode]) -> None:
+        if self._queue_orders:
+            self.stats.queue_head_order = min(self._queue_orders)
         candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
         priorities = self.policy.priorities(self.stats, candidates, now_s)
         heap = list(zip(priorities.tolist(), candidates.tolist(), strict=True))
@@ -519,6 +609,9 @@ class PrefixCache:
                 assert (block in self._candidates) == (not node.children)
             else:
                 assert block not in self._candidates
+            orders = self._demand.get(node.block_hash, [])
+            assert self.stats.waiting[block] == len(orders), "waiting count out of step"
+            assert self.stats.wanted_order[block] == min(orders, default=np.inf)
             root = node
             while root.parent is not None:
                 root = root.parent

@@ -12,12 +12,15 @@ has computed all its tokens, the step samples its next token.
 With a prefix cache, a waiting request that has computed nothing starts from the longest cached
 prefix of its tokens (same salt), on the device or loaded back from the second tier: those
 tokens count as computed at once, and only the rest is scheduled. After each step the full
-blocks a request has computed are offered to the cache.
+blocks a request has computed are offered to the cache. While a request waits (new, or
+preempted), the prefix it will look up is demand the cache can see before it is scheduled
+(`KVCacheManager.note_waiting`): a policy that reads it keeps those blocks first.
 
 Pure policy: no torch, no clock reads; the caller passes `now_s`.
 
 Invariants:
-- a request is in exactly one of `waiting`, `running`, or neither (finished);
+- a request is in exactly one of `waiting`, `running`, or neither (finished); exactly the
+  waiting ones hold a demand on the prefix cache (with a policy that reads it);
 - a running request holds blocks for every token scheduled so far; a waiting one holds none;
 - the tokens scheduled in one step never exceed `max_num_batched_tokens`, and the running batch
   never exceeds `max_num_seqs`.
@@ -95,6 +98,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._front_order = 0
+        self._back_order = 0
         self.prefix_cache_queries_tokens = 0
         """Tokens looked up in the prefix cache (prompt or recomputed context at admission)."""
         self.prefix_cache_hits_tokens = 0
@@ -112,6 +117,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        self._note_waiting(request, front=False)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request from outside (abort, stop string); None if it is not here."""
@@ -124,6 +130,7 @@ class Scheduler:
             self.running.remove(request)
         else:
             self.waiting.remove(request)
+            self.kv_cache.drop_waiting(request_id)
         # its blocks in the prefix cache take the class of its outcome (`eviction.feature_class`)
         shape = RequestShape(request.num_prompt_tokens, request.num_output_tokens)
         self.kv_cache.free(request_id, shape)
@@ -194,6 +201,7 @@ class Scheduler:
                 if not self.kv_cache.allocate_slots(request.request_id, target, now_s, hit):
                     break
                 self.waiting.pop()
+                self.kv_cache.drop_waiting(request.request_id)
                 if request.num_computed_tokens == 0:
                     device_tokens = len(hit.device) * bs
                     self.prefix_cache_queries_tokens += request.num_tokens
@@ -240,6 +248,28 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
+        self._note_waiting(request, front=True)
+
+    def _note_waiting(self, request: Request, front: bool) -> None:
+        """Its prompt (and, after a preemption, what it generated) is demand the prefix cache
+        can see before the request is scheduled: the blocks it will match count as wanted,
+        by its place in the queue (`_queue_order`)."""
+        order = self._queue_order(request, front)
+        self.kv_cache.note_waiting(
+            request.request_id, request.cache_salt, request.all_token_ids(), order
+        )
+
+    def _queue_order(self, request: Request, front: bool) -> float:
+        """A number that sorts the waiting requests as the queue will schedule them: under
+        FCFS a count up at the back and down at the front; under PRIORITY the queue's own key,
+        (priority, arrival), as one number (2^32 s between priority levels)."""
+        if self.config.policy == "priority":
+            return request.priority * 2.0**32 + request.arrival_time_s
+        if front:
+            self._front_order -= 1
+            return self._front_order
+        self._back_order += 1
+        return self._back_order
 
     def update_from_output(
         self, output: SchedulerOutput, sampled_token_ids: dict[str, int], now_s: float = 0.0
