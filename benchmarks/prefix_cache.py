@@ -14,10 +14,12 @@
     about 4,300 tokens) holds fewer than three of the prompts. Caching on both times, the host
     tier off vs on (`--host-cache-bytes 512MiB`, room for all six): mean / p99 TTFT, throughput,
     and hits per tier.
-(d) Demand the engine can see: the six agents of (c), arriving faster than the engine serves
-    them, so that requests queue while the pool (no host tier) holds fewer prompts than there
+(d) Demand the engine can see: the six agents of (c) at 0.6 requests/s, near what the engine
+    serves, so that requests queue at times, while the pool (`--demand-pool 400MiB`: about
+    9,100 tokens in float32, 5.4 of the prompts; no host tier) holds fewer prompts than there
     are agents. Eviction policy LRU vs value-aware (which keeps first the blocks that a queued
-    request will match, `KVCacheManager.note_waiting`): mean / p99 TTFT, throughput, hit rate.
+    request will match, `KVCacheManager.note_waiting`), alternating for `--demand-rounds`:
+    mean / p99 TTFT, throughput, hit rate.
 
     .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier,demand]
         [--dtype auto|float32|bfloat16] [--out F]
@@ -29,6 +31,7 @@ import argparse
 import asyncio
 import json
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -162,18 +165,31 @@ def tier_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def demand_lru_vs_value(n: int, rate_per_s: float, pool: str) -> dict[str, dict[str, float]]:
+def demand_lru_vs_value(
+    n: int, rate_per_s: float, pool: str, rounds: int, first: str
+) -> dict[str, list[dict[str, float]] | dict[str, float]]:
+    """LRU and value-aware, alternating for `rounds` rounds (the machine drifts between
+    runs of minutes), `first` first in the first round and the order flipped each round;
+    ratios of the medians."""
     reqs = multi_agent_workload(49152, n, rate_per_s, agents=6, seed=1)
     flags = ["--kv-cache-bytes", pool, "--eviction-policy"]
-    out = {p: run_engine(f"demand_{p}", [*flags, p], reqs) for p in ("lru", "value")}
-    out["ratios"] = {
-        "mean_ttft_lru_over_value": out["lru"]["mean_ttft_ms"] / out["value"]["mean_ttft_ms"],
-        "p99_ttft_lru_over_value": out["lru"]["p99_ttft_ms"] / out["value"]["p99_ttft_ms"],
-        "throughput_value_over_lru": out["value"]["output_throughput"]
-        / out["lru"]["output_throughput"],
+    runs: dict[str, list[dict[str, float]]] = {"lru": [], "value": []}
+    order = [first, "value" if first == "lru" else "lru"]
+    for r in range(rounds):
+        for p in order if r % 2 == 0 else order[::-1]:
+            runs[p].append(run_engine(f"demand_{p}_{r}", [*flags, p], reqs))
+
+    def median(policy: str, key: str) -> float:
+        return float(statistics.median(run[key] for run in runs[policy]))
+
+    ratios = {
+        "mean_ttft_lru_over_value": median("lru", "mean_ttft_ms") / median("value", "mean_ttft_ms"),
+        "p99_ttft_lru_over_value": median("lru", "p99_ttft_ms") / median("value", "p99_ttft_ms"),
+        "throughput_value_over_lru": median("value", "output_throughput")
+        / median("lru", "output_throughput"),
     }
-    print(json.dumps(out["ratios"]), flush=True)
-    return out
+    print(json.dumps(ratios), flush=True)
+    return {**runs, "ratios": ratios}
 
 
 def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
@@ -196,8 +212,10 @@ def main() -> None:
     parser.add_argument("--tier-requests", type=int, default=40)
     parser.add_argument("--tier-rate", type=float, default=0.2, help="requests per second (tier)")
     parser.add_argument("--demand-requests", type=int, default=48)
-    parser.add_argument("--demand-rate", type=float, default=1.0, help="requests per second")
-    parser.add_argument("--demand-pool", default="100MiB", help="device KV pool (demand)")
+    parser.add_argument("--demand-rate", type=float, default=0.6, help="requests per second")
+    parser.add_argument("--demand-pool", default="400MiB", help="device KV pool (demand)")
+    parser.add_argument("--demand-rounds", type=int, default=2)
+    parser.add_argument("--demand-first", default="lru", choices=["lru", "value"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefix_cache.json"
@@ -214,7 +232,11 @@ def main() -> None:
         report["host_tier"] = tier_on_off(args.tier_requests, args.tier_rate)
     if "demand" in parts:
         report["demand"] = demand_lru_vs_value(
-            args.demand_requests, args.demand_rate, args.demand_pool
+            args.demand_requests,
+            args.demand_rate,
+            args.demand_pool,
+            args.demand_rounds,
+            args.demand_first,
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
