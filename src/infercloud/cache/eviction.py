@@ -325,7 +325,8 @@ class ValueAwarePolicy:
     and a block that a queued request will match (`BlockStats.waiting`: demand the engine
     sees before the cache does, certain) ranks above all of those, the one needed soonest
     highest, as Belady's rule would over the visible part of the future:
-      priority  = 2 + 1 / (1 + queue positions before its first waiting request),  in (2, 3].
+      priority  = 2 + 1 / (1 + how far its first waiting request is behind the queue's head,
+                               in queue order: requests under FCFS),  in (2, 3].
     Every block holds the same bytes, so a probability per block orders as one per byte.
     The policy reads no clock and no future: only `stats` and the `now_s` it is given.
     """
