@@ -25,7 +25,7 @@ Invariants of `BlockStats`' learning (what keeps the value policy honest):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -341,23 +341,34 @@ class ValueAwarePolicy:
     request will match is kept before any block nobody is waiting for."""
 
     def priorities(self, stats: BlockStats, candidates: IntArray, now_s: float) -> FloatArray:
+        return self.ranking(stats, now_s)(candidates)
+
+    def ranking(self, stats: BlockStats, now_s: float) -> Callable[[IntArray], FloatArray]:
+        """`priorities` at `now_s` with the per-state tables (reuse odds, gap survival) made
+        once, for ranking many sets of candidates while `stats` does not change (one eviction:
+        each parent left an idle leaf is ranked on its own)."""
         entered = stats.state_entered.astype(np.float64)
         reused = stats.state_reused.astype(np.float64)
         overall = (reused.sum() + 1.0) / (entered.sum() + 2.0)
         p_state = (reused + self.prior_visits * overall) / (entered + self.prior_visits)
-        state = stats.state(candidates)
-        p = p_state[state]
-        edges = survival_edges(stats.gap_hits, self.prior_visits)[state]
-        age_s = now_s - stats.last_access_s[candidates]
+        edges_state = survival_edges(stats.gap_hits, self.prior_visits)
         horizon_s = max(self.min_horizon_s, stats.idle_at_eviction_s)
-        s_now = survival(edges, age_s)
-        s_end = survival(edges, age_s + horizon_s)
-        soon: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
-        wanted = stats.waiting[candidates] > 0
-        if not wanted.any():
-            return soon
-        behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
-        return np.where(wanted, 2.0 + 1.0 / (1.0 + np.where(wanted, behind, 0.0)), soon)
+
+        def rank(candidates: IntArray) -> FloatArray:
+            state = stats.state(candidates)
+            p = p_state[state]
+            edges = edges_state[state]
+            age_s = now_s - stats.last_access_s[candidates]
+            s_now = survival(edges, age_s)
+            s_end = survival(edges, age_s + horizon_s)
+            soon: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
+            wanted = stats.waiting[candidates] > 0
+            if not wanted.any():
+                return soon
+            behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
+            return np.where(wanted, 2.0 + 1.0 / (1.0 + np.where(wanted, behind, 0.0)), soon)
+
+        return rank
 
 
 def survival_edges(gap_hits: IntArray, prior_hits: float) -> FloatArray:

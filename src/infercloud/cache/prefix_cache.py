@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 
 import numpy as np
+import numpy.typing as npt
 
 from infercloud.cache.block_pool import BlockPool
 from infercloud.cache.eviction import BlockStats, EvictionPolicy, Ghost
@@ -546,18 +547,49 @@ class PrefixCache:
         if self._queue_orders:
             self.stats.queue_head_order = min(self._queue_orders)
         candidates = np.fromiter(self._candidates, dtype=np.int64, count=len(self._candidates))
-        priorities = self.policy.priorities(self.stats, candidates, now_s)
+        rank = self._ranking(now_s)
+        priorities = rank(candidates)
         heap = list(zip(priorities.tolist(), candidates.tolist(), strict=True))
         heapq.heapify(heap)
+        ahead: dict[int, float] = {}
+        """Priorities of the idle blocks above a candidate, ranked with its chain at once."""
         while heap and len(evicted) < num_blocks:
             _, block = heapq.heappop(heap)
             node = self._by_block[block]
             parent = node.parent
             evicted.append(self._remove(node))
             if parent is not None and parent.block_id in self._candidates:
-                one = np.array([parent.block_id], dtype=np.int64)
-                priority = float(self.policy.priorities(self.stats, one, now_s)[0])
+                priority = ahead.get(parent.block_id)
+                if priority is None:
+                    chain = self._idle_chain(parent)
+                    ranked = rank(np.array(chain, dtype=np.int64)).tolist()
+                    ahead.update(zip(chain, ranked, strict=True))
+                    priority = ahead[parent.block_id]
                 heapq.heappush(heap, (priority, parent.block_id))
+
+    def _idle_chain(self, node: CacheNode) -> list[int]:
+        """`node`'s block and those of its ancestors that would be idle leaves in turn as the
+        one below each goes (idle, and that one their only child): the blocks an eviction may
+        rank next, in one call to the policy instead of one each."""
+        chain = [node.block_id]
+        ref_count = self.pool.ref_count
+        up = node.parent
+        while up is not None and up.block_id >= 0 and len(up.children) == 1:
+            if ref_count(up.block_id) != 1:
+                break
+            chain.append(up.block_id)
+            up = up.parent
+        return chain
+
+    def _ranking(self, now_s: float) -> Callable[[npt.NDArray[np.int64]], npt.NDArray[np.float64]]:
+        """The policy's priorities at `now_s` for this eviction (the stats do not change
+        until it is done): its `ranking`, which prepares what all candidates share once,
+        where it has one."""
+        ranking = getattr(self.policy, "ranking", None)
+        if ranking is not None:
+            return ranking(self.stats, now_s)  # type: ignore[no-any-return]
+        stats, policy = self.stats, self.policy
+        return lambda candidates: policy.priorities(stats, candidates, now_s)
 
     def _remove(self, node: CacheNode) -> CacheNode:
         """Take an idle leaf out of the tree and free its block; a parent left an idle leaf
