@@ -20,8 +20,10 @@
     are agents. Eviction policy LRU vs value-aware (which keeps first the blocks that a queued
     request will match, `KVCacheManager.note_waiting`), alternating for `--demand-rounds`:
     mean / p99 TTFT, throughput, hit rate.
+(admission) The workload of (d) with value-aware eviction, admission FCFS vs CACHE
+    (`--scheduling-policy cache`: of the first 16 waiting, the longest cached prefix first).
 
-    .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier,demand]
+    .venv/bin/python benchmarks/prefix_cache.py [--parts policies,caching,tier,demand,admission]
         [--dtype auto|float32|bfloat16] [--out F]
 """
 
@@ -165,31 +167,54 @@ def tier_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
     return out
 
 
-def demand_lru_vs_value(
-    n: int, rate_per_s: float, pool: str, rounds: int, first: str
+def alternating(
+    label: str,
+    variants: dict[str, list[str]],
+    reqs: list[Req],
+    rounds: int,
+    first: str,
 ) -> dict[str, list[dict[str, float]] | dict[str, float]]:
-    """LRU and value-aware, alternating for `rounds` rounds (the machine drifts between
-    runs of minutes), `first` first in the first round and the order flipped each round;
-    ratios of the medians."""
-    reqs = multi_agent_workload(49152, n, rate_per_s, agents=6, seed=1)
-    flags = ["--kv-cache-bytes", pool, "--eviction-policy"]
-    runs: dict[str, list[dict[str, float]]] = {"lru": [], "value": []}
-    order = [first, "value" if first == "lru" else "lru"]
+    """Two engine configurations (name -> extra flags), alternating for `rounds` rounds (the
+    machine drifts between runs of minutes): `first` first in the first round, the order
+    flipped each round. Ratios of the medians (mean and p99 TTFT of the first variant over
+    the second's, throughput of the second over the first's)."""
+    a, b = list(variants)
+    order = [first, b if first == a else a]
+    runs: dict[str, list[dict[str, float]]] = {a: [], b: []}
     for r in range(rounds):
-        for p in order if r % 2 == 0 else order[::-1]:
-            runs[p].append(run_engine(f"demand_{p}_{r}", [*flags, p], reqs))
+        for name in order if r % 2 == 0 else order[::-1]:
+            runs[name].append(run_engine(f"{label}_{name}_{r}", variants[name], reqs))
 
-    def median(policy: str, key: str) -> float:
-        return float(statistics.median(run[key] for run in runs[policy]))
+    def median(name: str, key: str) -> float:
+        return float(statistics.median(run[key] for run in runs[name]))
 
     ratios = {
-        "mean_ttft_lru_over_value": median("lru", "mean_ttft_ms") / median("value", "mean_ttft_ms"),
-        "p99_ttft_lru_over_value": median("lru", "p99_ttft_ms") / median("value", "p99_ttft_ms"),
-        "throughput_value_over_lru": median("value", "output_throughput")
-        / median("lru", "output_throughput"),
+        f"mean_ttft_{a}_over_{b}": median(a, "mean_ttft_ms") / median(b, "mean_ttft_ms"),
+        f"p99_ttft_{a}_over_{b}": median(a, "p99_ttft_ms") / median(b, "p99_ttft_ms"),
+        f"throughput_{b}_over_{a}": median(b, "output_throughput") / median(a, "output_throughput"),
     }
     print(json.dumps(ratios), flush=True)
     return {**runs, "ratios": ratios}
+
+
+def demand_lru_vs_value(
+    n: int, rate_per_s: float, pool: str, rounds: int, first: str
+) -> dict[str, list[dict[str, float]] | dict[str, float]]:
+    """Eviction LRU vs value-aware (which reads the queue's demand), FCFS admission."""
+    reqs = multi_agent_workload(49152, n, rate_per_s, agents=6, seed=1)
+    flags = ["--kv-cache-bytes", pool, "--eviction-policy"]
+    variants = {p: [*flags, p] for p in ("lru", "value")}
+    return alternating("demand", variants, reqs, rounds, first)
+
+
+def admission_fcfs_vs_cache(
+    n: int, rate_per_s: float, pool: str, rounds: int
+) -> dict[str, list[dict[str, float]] | dict[str, float]]:
+    """Admission FCFS vs CACHE (longest cached prefix first), value-aware eviction both."""
+    reqs = multi_agent_workload(49152, n, rate_per_s, agents=6, seed=1)
+    flags = ["--kv-cache-bytes", pool, "--eviction-policy", "value", "--scheduling-policy"]
+    variants = {p: [*flags, p] for p in ("fcfs", "cache")}
+    return alternating("admission", variants, reqs, rounds, "fcfs")
 
 
 def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
@@ -230,6 +255,10 @@ def main() -> None:
         report["engine"] = engine_on_off(args.requests, args.rate)
     if "tier" in parts:
         report["host_tier"] = tier_on_off(args.tier_requests, args.tier_rate)
+    if "admission" in parts:
+        report["admission"] = admission_fcfs_vs_cache(
+            args.demand_requests, args.demand_rate, args.demand_pool, args.demand_rounds
+        )
     if "demand" in parts:
         report["demand"] = demand_lru_vs_value(
             args.demand_requests,

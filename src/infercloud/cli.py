@@ -55,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-num-seqs", type=int, default=64)
     engine.add_argument("--max-num-batched-tokens", type=int, default=512)
     engine.add_argument("--long-prefill-token-threshold", type=int, default=256)
-    engine.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    engine.add_argument(
+        "--scheduling-policy",
+        default="fcfs",
+        choices=["fcfs", "priority", "cache"],
+        help="cache: FCFS, but of the first 16 waiting the one with the longest cached prefix "
+        "is admitted first (SGLang's longest-prefix-match), none overtaken more than 16 times",
+    )
     engine.add_argument(
         "--no-enable-prefix-caching",
         dest="enable_prefix_caching",
@@ -66,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--eviction-policy",
         default="lru",
         choices=["lru", "value"],
-        help="lru: least recently used first (vLLM's); value: blocks a queued request will "
-        "match last (the soonest needed kept longest), the rest by learned reuse odds",
+        help="lru: evict the least recently used first (vLLM's); value: keep longest the blocks "
+        "queued requests will match (the soonest needed first), rank the rest by learned reuse",
     )
     engine.add_argument(
         "--decode-attention",

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from infercloud.cache.block_pool import BlockPool
-from infercloud.cache.eviction import ValueAwarePolicy
+from infercloud.cache.eviction import LRUPolicy, ValueAwarePolicy
 from infercloud.cache.kv_cache_manager import KVCacheManager
 from infercloud.cache.prefix_cache import PrefixCache
 from infercloud.engine.request import Request, RequestStatus
@@ -203,3 +203,48 @@ def test_a_prefix_a_waiting_request_will_match_outlives_the_others(wanted: str) 
     cache.check_invariants()
     assert not s.has_unfinished()
     assert all(cache.stats.waiting[b] == 0 for b in range(8) if cache.node_of(b) is not None)
+
+
+def cached_scheduler(policy: str) -> tuple[Scheduler, list[int]]:
+    """A scheduler with one slot, a prefix cache holding the blocks of `warm` (3 full blocks),
+    and nothing running."""
+    pool = BlockPool(64)
+    kv = KVCacheManager(pool, 4, PrefixCache(pool, 4, LRUPolicy()))
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, policy=policy), kv, {EOS})  # type: ignore[arg-type]
+    warm = list(range(1, 14))
+    s.add_request(prompt_req("first", warm))
+    fake_step(s)
+    assert not s.has_unfinished()
+    return s, warm
+
+
+def admitted(s: Scheduler) -> list[str]:
+    """Request ids in the order they were first scheduled, running everything to the end."""
+    order: list[str] = []
+    while s.has_unfinished():
+        for c in fake_step(s).chunks:
+            if c.request.request_id not in order:
+                order.append(c.request.request_id)
+    return order
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "cache"])
+def test_cache_policy_admits_the_longest_cached_prefix_first(policy: str) -> None:
+    s, warm = cached_scheduler(policy)
+    s.add_request(prompt_req("cold", list(range(100, 113))))
+    s.add_request(prompt_req("warm", [*warm[:12], 77]))
+    s.add_request(prompt_req("cold2", list(range(200, 213))))
+    expected = ["cold", "warm", "cold2"] if policy == "fcfs" else ["warm", "cold", "cold2"]
+    assert admitted(s) == expected
+
+
+def test_cache_policy_overtakes_a_request_a_bounded_number_of_times() -> None:
+    from infercloud.engine.scheduler import MAX_OVERTAKES
+
+    s, warm = cached_scheduler("cache")
+    s.add_request(prompt_req("cold", list(range(100, 113))))
+    for i in range(MAX_OVERTAKES + 3):
+        s.add_request(prompt_req(f"warm{i}", [*warm[:12], 50 + i]))
+    order = admitted(s)
+    assert order.index("cold") == MAX_OVERTAKES  # overtaken exactly MAX_OVERTAKES times
+    assert not s._overtaken

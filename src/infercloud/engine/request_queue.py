@@ -1,4 +1,6 @@
 """The waiting queue, in two orders: first come first served, or by priority then arrival.
+(The scheduler's "cache" policy keeps an FCFS queue and admits from its first few requests
+the one with the longest cached prefix: `Scheduler._next_waiting`.)
 
 Both keep preempted requests ahead of requests of equal standing that have not started, so a
 preemption never lets a later arrival overtake: under FCFS a preempted request goes back to the
@@ -14,7 +16,7 @@ from typing import Literal, Protocol
 
 from infercloud.engine.request import Request
 
-SchedulingPolicy = Literal["fcfs", "priority"]
+SchedulingPolicy = Literal["fcfs", "priority", "cache"]
 
 
 class RequestQueue(Protocol):
@@ -23,6 +25,9 @@ class RequestQueue(Protocol):
         """Put back a preempted request."""
 
     def peek(self) -> Request: ...
+    def first(self, n: int) -> list[Request]:
+        """The first `n` requests (fewer if fewer wait), in the order they would be popped."""
+
     def pop(self) -> Request: ...
     def remove(self, request: Request) -> bool: ...
     def __len__(self) -> int: ...
@@ -42,6 +47,9 @@ class FCFSQueue:
 
     def peek(self) -> Request:
         return self._queue[0]
+
+    def first(self, n: int) -> list[Request]:
+        return list(itertools.islice(self._queue, n))
 
     def pop(self) -> Request:
         return self._queue.popleft()
@@ -75,6 +83,9 @@ class PriorityQueue:
     def peek(self) -> Request:
         return self._heap[0][3]
 
+    def first(self, n: int) -> list[Request]:
+        return [entry[3] for entry in heapq.nsmallest(n, self._heap)]
+
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[3]
 
@@ -92,8 +103,10 @@ class PriorityQueue:
 
 
 def make_queue(policy: SchedulingPolicy) -> RequestQueue:
-    if policy == "fcfs":
+    if policy in ("fcfs", "cache"):
         return FCFSQueue()
     if policy == "priority":
         return PriorityQueue()
-    raise ValueError(f"unknown scheduling policy {policy!r}; expected 'fcfs' or 'priority'")
+    raise ValueError(
+        f"unknown scheduling policy {policy!r}; expected 'fcfs', 'priority' or 'cache'"
+    )

@@ -14,7 +14,10 @@ prefix of its tokens (same salt), on the device or loaded back from the second t
 tokens count as computed at once, and only the rest is scheduled. After each step the full
 blocks a request has computed are offered to the cache. While a request waits (new, or
 preempted), the prefix it will look up is demand the cache can see before it is scheduled
-(`KVCacheManager.note_waiting`): a policy that reads it keeps those blocks first.
+(`KVCacheManager.note_waiting`): a policy that reads it keeps those blocks first. The CACHE
+scheduling policy also admits by the cache: of the first few waiting requests, the one with
+the longest cached prefix goes first (SGLang's longest-prefix-match order), none overtaken more
+than `MAX_OVERTAKES` times.
 
 Pure policy: no torch, no clock reads; the caller passes `now_s`.
 
@@ -28,12 +31,18 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from infercloud.cache.eviction import RequestShape
 from infercloud.cache.kv_cache_manager import NO_HIT, KVCacheManager, PrefixHit
 from infercloud.engine.request import Request, RequestStatus
 from infercloud.engine.request_queue import SchedulingPolicy, make_queue
+
+PREFIX_WINDOW = 16
+"""CACHE policy: how many requests from the head of the queue compete on their cached prefix."""
+MAX_OVERTAKES = 16
+"""CACHE policy: a waiting request is overtaken at most this many times."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +107,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._overtaken: defaultdict[str, int] = defaultdict(int)
+        """Under the CACHE policy, how often each waiting request was overtaken."""
         self._front_order = 0
         self._back_order = 0
         self.prefix_cache_queries_tokens = 0
@@ -131,6 +142,7 @@ class Scheduler:
         else:
             self.waiting.remove(request)
             self.kv_cache.drop_waiting(request_id)
+            self._overtaken.pop(request_id, None)
         # its blocks in the prefix cache take the class of its outcome (`eviction.feature_class`)
         shape = RequestShape(request.num_prompt_tokens, request.num_output_tokens)
         self.kv_cache.free(request_id, shape)
@@ -189,10 +201,7 @@ class Scheduler:
 
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                request = self.waiting.peek()
-                hit = NO_HIT
-                if request.num_computed_tokens == 0:
-                    hit = self.kv_cache.match(request.cache_salt, request.all_token_ids())
+                request, hit, ahead = self._next_waiting()
                 bs = self.kv_cache.block_size
                 num_cached = hit.num_blocks * bs
                 start = max(request.num_computed_tokens, num_cached)
@@ -200,7 +209,13 @@ class Scheduler:
                 target = start + num_new
                 if not self.kv_cache.allocate_slots(request.request_id, target, now_s, hit):
                     break
-                self.waiting.pop()
+                if ahead:
+                    self.waiting.remove(request)
+                    for passed in ahead:
+                        self._overtaken[passed.request_id] += 1
+                else:
+                    self.waiting.pop()
+                self._overtaken.pop(request.request_id, None)
                 self.kv_cache.drop_waiting(request.request_id)
                 if request.num_computed_tokens == 0:
                     device_tokens = len(hit.device) * bs
@@ -223,6 +238,35 @@ class Scheduler:
                 budget -= num_new
 
         return SchedulerOutput(list(scheduled.values()), preempted)
+
+    def _next_waiting(self) -> tuple[Request, PrefixHit, list[Request]]:
+        """The waiting request to admit next, its cached prefix, and the requests it would
+        overtake. FCFS and PRIORITY: the queue's head, overtaking nobody. CACHE (SGLang's
+        longest-prefix-match order, bounded): of the first `PREFIX_WINDOW` waiting, the one
+        with the most cached blocks (the earliest on ties), unless a request ahead of it has
+        been overtaken `MAX_OVERTAKES` times already (then the earliest such one): a prompt
+        that shares nothing is delayed, never starved."""
+        head = self.waiting.peek()
+        if self.config.policy != "cache":
+            return head, self._match(head), []
+        window = self.waiting.first(PREFIX_WINDOW)
+        best, best_hit, best_at = head, self._match(head), 0
+        for at, request in enumerate(window):
+            if self._overtaken.get(request.request_id, 0) >= MAX_OVERTAKES:
+                return request, self._match(request), window[:at]
+            if at == 0:
+                continue
+            hit = self._match(request)
+            if hit.num_blocks > best_hit.num_blocks:
+                best, best_hit, best_at = request, hit, at
+        return best, best_hit, window[:best_at]
+
+    def _match(self, request: Request) -> PrefixHit:
+        """The cached prefix a waiting request would start from (none if it has computed
+        tokens already)."""
+        if request.num_computed_tokens:
+            return NO_HIT
+        return self.kv_cache.match(request.cache_salt, request.all_token_ids())
 
     def _note_evicted_prefix(self, request: Request, hit: PrefixHit) -> None:
         """Mark the prompt tokens past the hit that the cache once held: computing them again

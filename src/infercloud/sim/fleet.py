@@ -58,7 +58,7 @@ class SchedulerSettings(_Strict):
     max_num_seqs: int = Field(default=256, ge=1)
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     """Default: max_num_batched_tokens (no extra cap per request)."""
-    policy: Literal["fcfs", "priority"] = "fcfs"
+    policy: Literal["fcfs", "priority", "cache"] = "fcfs"
 
 
 class Admission(_Strict):
