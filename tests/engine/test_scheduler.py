@@ -248,3 +248,20 @@ def test_cache_policy_overtakes_a_request_a_bounded_number_of_times() -> None:
     order = admitted(s)
     assert order.index("cold") == MAX_OVERTAKES  # overtaken exactly MAX_OVERTAKES times
     assert not s._overtaken
+
+
+def test_an_aborted_waiting_request_gives_its_claim_back() -> None:
+    pool = BlockPool(16)
+    cache = PrefixCache(pool, 4, ValueAwarePolicy())
+    s = Scheduler(SchedulerConfig(max_num_seqs=1), KVCacheManager(pool, 4, cache), {EOS})
+    prompt = list(range(1, 14))
+    s.add_request(prompt_req("a", prompt))
+    fake_step(s)  # its 3 full blocks are cached and idle
+    s.add_request(prompt_req("long", list(range(100, 140)), max_tokens=8))
+    s.add_request(prompt_req("w", [*prompt[:12], 99]))  # waits behind "long"
+    fake_step(s)
+    assert s.num_waiting == 1 and cache.stats.waiting.sum() == 3  # a's three blocks, claimed
+    cache.check_invariants()
+    assert s.finish_request("w", RequestStatus.FINISHED_ABORTED) is not None
+    cache.check_invariants()
+    assert not cache.stats.waiting.any()
