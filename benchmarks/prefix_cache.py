@@ -108,7 +108,7 @@ def cache_counters(url: str, tier: str = "device") -> tuple[float, float]:
     return hits, queries
 
 
-DTYPE = ["auto"]
+DTYPE = "auto"
 """The engine's `--dtype` (main sets it): auto is bfloat16 where the CPU computes it natively
 (AVX512-BF16 or AMX), float32 elsewhere."""
 
@@ -121,7 +121,7 @@ def run_engine(label: str, extra: list[str], reqs: list[Req]) -> dict[str, float
     logs = ROOT / "benchmarks" / "results"
     logs.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
-    cmd += ["--dtype", DTYPE[0], "--port", "8203", "--served-model-name", "m"]
+    cmd += ["--dtype", DTYPE, "--port", "8203", "--served-model-name", "m"]
     cmd += ["--log-level", "warning", *extra]
     server = Server(cmd, 8203, {}, logs / f"prefix_cache_{label}.log", 300.0)
     try:
@@ -229,6 +229,7 @@ def engine_on_off(n: int, rate_per_s: float) -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    global DTYPE
     parser = argparse.ArgumentParser()
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--parts", default="policies,caching,tier")
@@ -247,7 +248,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
-    DTYPE[0] = args.dtype
+    DTYPE = args.dtype
     report: dict[str, object] = {}
     if "policies" in parts:
         report["policies"] = policies_on_trace(args.trace)

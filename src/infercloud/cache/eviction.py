@@ -365,8 +365,9 @@ class ValueAwarePolicy:
             wanted = stats.waiting[candidates] > 0
             if not wanted.any():
                 return soon
+            # unwanted blocks have wanted_order inf: 1 / (1 + inf) = 0, and `soon` is taken
             behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
-            return np.where(wanted, 2.0 + 1.0 / (1.0 + np.where(wanted, behind, 0.0)), soon)
+            return np.where(wanted, 2.0 + 1.0 / (1.0 + behind), soon)
 
         return rank
 

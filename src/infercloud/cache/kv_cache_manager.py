@@ -158,6 +158,12 @@ class KVCacheManager:
             del host[second.cost.blocks_worth_loading(first, len(host)) :]
         return PrefixHit(device, host)
 
+    @property
+    def tracks_demand(self) -> bool:
+        """Whether waiting requests' claims are counted (a prefix cache whose policy reads
+        them); `note_waiting` is a no-op otherwise."""
+        return self.prefix_cache is not None and self.prefix_cache.reads_waiting
+
     def note_waiting(
         self, request_id: str, salt: str, token_ids: Sequence[int], order: float
     ) -> None:

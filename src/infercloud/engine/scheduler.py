@@ -246,20 +246,18 @@ class Scheduler:
         with the most cached blocks (the earliest on ties), unless a request ahead of it has
         been overtaken `MAX_OVERTAKES` times already (then the earliest such one): a prompt
         that shares nothing is delayed, never starved."""
-        head = self.waiting.peek()
         if self.config.policy != "cache":
+            head = self.waiting.peek()
             return head, self._match(head), []
         window = self.waiting.first(PREFIX_WINDOW)
-        best, best_hit, best_at = head, self._match(head), 0
+        best_at, best_hit = 0, NO_HIT
         for at, request in enumerate(window):
             if self._overtaken.get(request.request_id, 0) >= MAX_OVERTAKES:
                 return request, self._match(request), window[:at]
-            if at == 0:
-                continue
             hit = self._match(request)
-            if hit.num_blocks > best_hit.num_blocks:
-                best, best_hit, best_at = request, hit, at
-        return best, best_hit, window[:best_at]
+            if at == 0 or hit.num_blocks > best_hit.num_blocks:
+                best_at, best_hit = at, hit
+        return window[best_at], best_hit, window[:best_at]
 
     def _match(self, request: Request) -> PrefixHit:
         """The cached prefix a waiting request would start from (none if it has computed
@@ -298,6 +296,8 @@ class Scheduler:
         """Its prompt (and, after a preemption, what it generated) is demand the prefix cache
         can see before the request is scheduled: the blocks it will match count as wanted,
         by its place in the queue (`_queue_order`)."""
+        if not self.kv_cache.tracks_demand:
+            return  # LRU reads no demand: no token list to build per request
         order = self._queue_order(request, front)
         self.kv_cache.note_waiting(
             request.request_id, request.cache_salt, request.all_token_ids(), order

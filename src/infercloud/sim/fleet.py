@@ -26,6 +26,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from infercloud.engine.request_queue import SchedulingPolicy
 from infercloud.gateway.config import SLO, Routing
 from infercloud.units import parse_bytes
 
@@ -58,7 +59,7 @@ class SchedulerSettings(_Strict):
     max_num_seqs: int = Field(default=256, ge=1)
     long_prefill_token_threshold: int | None = Field(default=None, ge=1)
     """Default: max_num_batched_tokens (no extra cap per request)."""
-    policy: Literal["fcfs", "priority", "cache"] = "fcfs"
+    policy: SchedulingPolicy = "fcfs"
 
 
 class Admission(_Strict):
