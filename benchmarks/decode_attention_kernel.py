@@ -4,7 +4,7 @@ serving; `--hot` reuses one layer's keys (in cache) to show the arithmetic's sha
 reads the caches as the tiled layout (csrc/kv_layout.h) instead of the plain one.
 
     .venv/bin/python benchmarks/decode_attention_kernel.py [--context 160] [--hot] [--tiled]
-        [--dtype bfloat16|float32]
+        [--dtype bfloat16|float32] [--tile-unit]
 """
 
 from __future__ import annotations
@@ -25,6 +25,9 @@ def main() -> None:
     parser.add_argument("--hot", action="store_true")
     parser.add_argument("--tiled", action="store_true")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--tile-unit", action="store_true", help="with --tiled: on the AMX tile unit, if present"
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     size = dtype.itemsize
@@ -42,7 +45,8 @@ def main() -> None:
     def step() -> None:
         for layer in range(LAYERS):
             i = 0 if args.hot else layer
-            op(q[i], pool[i, 0], pool[i, 1], tables, lens, HEAD_DIM**-0.5, num_blocks, args.tiled)
+            k, v = pool[i, 0], pool[i, 1]
+            op(q[i], k, v, tables, lens, HEAD_DIM**-0.5, num_blocks, args.tiled, args.tile_unit)
 
     step()
     times = []
@@ -54,7 +58,8 @@ def main() -> None:
     kv_bytes = LAYERS * SEQS * args.context * KV_HEADS * HEAD_DIM * 2 * size
     print(
         f"{args.dtype} context {args.context}{' (hot)' if args.hot else ''}"
-        f"{' tiled' if args.tiled else ''}: {median * 1e3:.2f} ms per step "
+        f"{' tiled' if args.tiled else ''}{' on tiles' if args.tile_unit else ''}: "
+        f"{median * 1e3:.2f} ms per step "
         f"of {LAYERS} layers, {median / LAYERS * 1e6:.0f} us per layer, "
         f"{kv_bytes / median / 1e9:.1f} GB/s of keys and values"
     )

@@ -3,7 +3,7 @@
 Prefills all requests, then runs 10 decode steps under cProfile and prints where time goes.
 
     .venv/bin/python benchmarks/decode_profile.py [--dtype bfloat16] [--decode-attention torch]
-        [--linear-kernel onednn] [--torch-profiler] [--sort cumtime]
+        [--linear-kernel onednn] [--no-attention-tiles] [--torch-profiler] [--sort cumtime]
 """
 
 from __future__ import annotations
@@ -27,6 +27,12 @@ def main() -> None:
     parser.add_argument("--linear-kernel", default="auto", choices=["auto", "kernel", "onednn"])
     parser.add_argument("--prefill-attention", default="auto", choices=["auto", "kernel", "torch"])
     parser.add_argument(
+        "--no-attention-tiles",
+        dest="attention_tiles",
+        action="store_false",
+        help="decode attention on vdpbf16ps even where the AMX tile unit is",
+    )
+    parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"
     )
     parser.add_argument("--sort", default="tottime", help="cProfile's sort key (tottime, cumtime)")
@@ -38,11 +44,13 @@ def main() -> None:
         fused_layer_ops=args.fused_layer_ops,
         linear_kernel=args.linear_kernel,
         prefill_attention=args.prefill_attention,
+        attention_tiles=args.attention_tiles,
     )
     engine = llm.engine
     print(
         f"decode attention: {'kernel' if engine.decode_kernel else 'torch'}, "
-        f"fused layer ops: {engine.fused_ops}, linear kernel: {engine.linear_kernel}"
+        f"fused layer ops: {engine.fused_ops}, linear kernel: {engine.linear_kernel}, "
+        f"attention on the tile unit: {engine.attention_tiles}"
     )
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
     for i in range(32):

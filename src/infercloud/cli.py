@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels run; plain: [tokens][head_dim] blocks everywhere",
     )
     engine.add_argument(
+        "--no-attention-tiles",
+        dest="attention_tiles",
+        action="store_false",
+        help="keep decode attention on vdpbf16ps where the CPU has the AMX tile unit (else its "
+        "products run on the tile unit, with the tiled KV layout)",
+    )
+    engine.add_argument(
         "--decode-group-overhead-tokens",
         type=int,
         default=DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS,
@@ -274,6 +281,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         fused_layer_ops=args.fused_layer_ops,
         stacked_layers=args.stacked_layers,
         kv_layout=args.kv_layout,
+        attention_tiles=args.attention_tiles,
         linear_kernel=args.linear_kernel,
         prefill_attention=args.prefill_attention,
         decode_group_overhead_tokens=args.decode_group_overhead_tokens,
@@ -295,7 +303,8 @@ def _serve_engine(args: argparse.Namespace) -> int:
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}, prefill attention: "
+        f"{'kernel' if llm.decode_kernel else 'torch'}"
+        f"{' on the tile unit' if llm.attention_tiles else ''}, prefill attention: "
         f"{'kernel' if llm.prefill_kernel else 'torch'}, linear layers: {linear}"
         f"{', layers stacked in C++' if llm.stacked_layers else ''}"
         f"{', tiled KV blocks' if llm.kv_tiled else ''}) "

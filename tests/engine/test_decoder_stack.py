@@ -43,6 +43,8 @@ def _run(
         kv_layout=kv_layout,
     )
     assert llm.engine.kv_tiled == (kv_layout == "auto")
+    on_tiles = kv_layout == "auto" and bool(torch.ops.infercloud.has_attention_tiles())
+    assert llm.engine.attention_tiles == on_tiles  # the stack and the loop pass it alike
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 460, (n,), generator=g).tolist() for n in (5, 40, 90, 17, 64)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)

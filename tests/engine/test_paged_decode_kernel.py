@@ -83,8 +83,10 @@ def _kernel(
     num_blocks: int,
     scale: float,
     tiled: bool = False,
+    tile_unit: bool = False,
 ) -> torch.Tensor:
-    """The kernel; with `tiled`, over the same caches rearranged into the tiled layout."""
+    """The kernel; with `tiled`, over the same caches rearranged into the tiled layout (and with
+    `tile_unit`, its products on the AMX tile unit)."""
     out: torch.Tensor = torch.ops.infercloud.paged_decode_attention(
         q,
         tiled_keys(k_cache) if tiled else k_cache,
@@ -94,6 +96,7 @@ def _kernel(
         scale,
         num_blocks,
         tiled,
+        tile_unit,
     )
     return out
 
@@ -155,6 +158,62 @@ def test_tiled_caches_give_the_plain_result(
             k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
             v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
     assert torch.equal(_kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True), got)
+
+
+ON_TILES = pytest.mark.skipif(
+    not (
+        load_kernels()
+        and torch.ops.infercloud.has_tiled_decode()
+        and torch.ops.infercloud.has_attention_tiles()
+    ),
+    reason="needs the AMX tile unit",
+)
+
+
+@ON_TILES
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim"),
+    [(9, 3, 64), (8, 8, 64), (4, 1, 128), (32, 2, 64), (5, 5, 32), (6, 3, 128), (17, 1, 64)],
+    ids=["smollm2", "mha", "head128", "group16", "head32", "group2-head128", "group17"],
+)
+def test_tile_unit_gives_the_vector_result(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """On the tile unit: torch's result within bfloat16's error and the vdpbf16ps path's within
+    float32 summation order (both round the probabilities to bfloat16). A group of more than 16
+    query heads (a tile's rows) takes the vector path. NaN in the slots past each context, keys
+    and values, must not leak into the result: the last block's values are zeroed there in a
+    copy before they meet the tile unit."""
+    lengths = [1, 2, 15, 16, 17, 33, 100, 250, 7]
+    q, k, v, tables, num_blocks = _case(
+        lengths, num_heads, num_kv_heads, head_dim, torch.bfloat16, 5
+    )
+    scale = head_dim**-0.5
+    want = _torch_reference(q.float(), k.float(), v.float(), tables, lengths, num_blocks, scale)
+    got = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True, tile_unit=True)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    vector = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True)
+    torch.testing.assert_close(got.float(), vector.float(), atol=8e-3, rtol=8e-3)
+    for kv_head in range(num_kv_heads):
+        for seq, n in enumerate(lengths):
+            row = kv_head * num_blocks + int(tables[seq, (n - 1) // BLOCK_SIZE])
+            k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+            v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+    again = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True, tile_unit=True)
+    assert torch.equal(again, got)
+
+
+@ON_TILES
+def test_tile_unit_takes_large_scores() -> None:
+    """Scores of ~1e4 (the tile unit sums them in float32, the softmax subtracts the maximum):
+    finite, and torch's result."""
+    lengths = [40, 3]
+    q, k, v, tables, num_blocks = _case(lengths, 9, 3, 64, torch.bfloat16, 3)
+    q = q * 300.0
+    got = _kernel(q, k, v, tables, lengths, num_blocks, 1.0, tiled=True, tile_unit=True)
+    assert torch.isfinite(got.float()).all()
+    want = _torch_reference(q.float(), k.float(), v.float(), tables, lengths, num_blocks, 1.0)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
 @TILED

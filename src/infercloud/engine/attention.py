@@ -101,6 +101,8 @@ class AttentionMetadata:
     """The caches are in the tiled layout (`csrc/kv_layout.h`): new keys and values go in
     through `write_kv_tiled`, and only the kernels read them (`decodes` and `prefills` are
     empty)."""
+    tile_unit: bool = False
+    """With `tiled`: decode attention runs on the AMX tile unit (`csrc/paged_attention.cpp`)."""
 
 
 def paged_attention(
@@ -139,6 +141,7 @@ def paged_attention(
             scale,
             num_blocks,
             meta.tiled,
+            meta.tile_unit,
         )
 
     for decode in meta.decodes:

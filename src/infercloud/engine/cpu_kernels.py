@@ -54,6 +54,7 @@ HEADERS = (
     CSRC / "f32_gemm.h",
     CSRC / "bf16_dot.h",
     CSRC / "kv_layout.h",
+    CSRC / "amx.h",
 )
 CXX_FLAGS = (
     "-O3",

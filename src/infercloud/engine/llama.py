@@ -177,12 +177,16 @@ class LlamaModel(nn.Module):
         return weights
 
     def use_stack(
-        self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], tiled_kv: bool = False
+        self,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        tiled_kv: bool = False,
+        attention_tiles: bool = False,
     ) -> None:
         """Run the decoder layers as one `torch.classes.infercloud.DecoderStack` call in steps
         over `kv_caches` whose attention all goes through our kernels (the caller has called
         `use_fused_ops()` and packed every projection as a `KernelLinear`); `tiled_kv`: the
-        caches are in the tiled layout of `csrc/kv_layout.h`."""
+        caches are in the tiled layout of `csrc/kv_layout.h`; `attention_tiles`: decode attention
+        on the AMX tile unit (with `tiled_kv`)."""
         if not self.fused:
             raise ValueError("use_stack needs use_fused_ops first")
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
@@ -207,6 +211,7 @@ class LlamaModel(nn.Module):
             c.head_dim**-0.5,
             tiles.pop(),
             tiled_kv,
+            attention_tiles,
         )
         for layer, row, (k_cache, v_cache) in zip(layers, kernels, kv_caches, strict=True):
             packed = [k.packed_weight for k in row]

@@ -214,6 +214,12 @@ class LLMEngine:
             and bool(torch.ops.infercloud.has_tiled_decode())
         )
         """Whether the KV cache is in the tiled layout (`EngineConfig.kv_layout`)."""
+        self.attention_tiles = (
+            self.kv_tiled
+            and config.attention_tiles
+            and bool(torch.ops.infercloud.has_attention_tiles())
+        )
+        """Whether decode attention runs on the AMX tile unit (`EngineConfig.attention_tiles`)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""
@@ -252,6 +258,7 @@ class LLMEngine:
             fused_ops=self.fused_ops,
             stacked_layers=config.stacked_layers,
             kv_tiled=self.kv_tiled,
+            attention_tiles=self.attention_tiles,
         )
         self.linear_kernel = self.runner.linear_kernel
         self.linear_times: LinearTimes | None = self.runner.linear_times

@@ -85,6 +85,7 @@ class ModelRunner:
         fused_ops: bool = False,
         stacked_layers: bool = False,
         kv_tiled: bool = False,
+        attention_tiles: bool = False,
     ) -> None:
         """`decode_kernel`: decodes attend through `torch.ops.infercloud.paged_decode_attention`,
         else in padded groups; `fused_ops`: the layers' element-wise parts through our fused
@@ -97,7 +98,8 @@ class ModelRunner:
         `cpu_kernels.load_kernels()`). With `fused_ops`, greedy rows are also chosen by our
         argmax operator (`csrc/greedy_tokens.cpp`). `kv_tiled`: the KV cache is in the tiled
         layout of `csrc/kv_layout.h`, which only our two attention kernels read (the caller
-        has checked that both are on and that the model's shapes fit)."""
+        has checked that both are on and that the model's shapes fit); `attention_tiles`: with
+        it, decode attention runs on the AMX tile unit (the caller has checked that it can)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
@@ -145,10 +147,13 @@ class ModelRunner:
         )
         """Whether the decoder layers run as one C++ call (`csrc/decoder_stack.cpp`: bfloat16)."""
         self.kv_tiled = kv_tiled
+        self.attention_tiles = attention_tiles and kv_tiled
         if kv_tiled and not (decode_kernel and prefill_kernel):
             raise ValueError("a tiled KV cache is read by the attention kernels only")
         if self.stacked_layers:
-            self.model.use_stack(self.kv_caches, tiled_kv=kv_tiled)
+            self.model.use_stack(
+                self.kv_caches, tiled_kv=kv_tiled, attention_tiles=self.attention_tiles
+            )
         self.group = config.num_heads // config.num_kv_heads
         self.decode_group_overhead_tokens = decode_group_overhead_tokens
         self.decode_kernel = decode_kernel
@@ -203,6 +208,7 @@ class ModelRunner:
             if self.prefill_kernel and prefills
             else None,
             tiled=self.kv_tiled,
+            tile_unit=self.attention_tiles,
         )
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -53,10 +53,11 @@ struct Ops {
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
       find_op<at::Tensor(const at::Tensor&)>("infercloud::silu_and_mul");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      const at::Tensor&, const at::Tensor&, double, int64_t, bool)>
+                                      const at::Tensor&, const at::Tensor&, double, int64_t, bool,
+                                      bool)>
       decode_attention =
           find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, double, int64_t, bool)>(
+                             const at::Tensor&, const at::Tensor&, double, int64_t, bool, bool)>(
               "infercloud::paged_decode_attention");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -79,7 +80,8 @@ struct Layer {
 class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t hidden_size,
-               int64_t intermediate_size, double eps, double scale, bool use_tiles, bool tiled_kv)
+               int64_t intermediate_size, double eps, double scale, bool use_tiles, bool tiled_kv,
+               bool attention_tiles)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -88,7 +90,8 @@ class DecoderStack : public torch::CustomClassHolder {
         eps_(eps),
         scale_(scale),
         use_tiles_(use_tiles),
-        tiled_kv_(tiled_kv) {
+        tiled_kv_(tiled_kv),
+        attention_tiles_(attention_tiles) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
                     head_dim > 0 && hidden_size > 0 && intermediate_size > 0,
                 "DecoderStack: bad model dimensions");
@@ -212,7 +215,7 @@ class DecoderStack : public torch::CustomClassHolder {
                     int64_t num_blocks) const {
     const at::Tensor out = ops().decode_attention.call(
         q.narrow(0, 0, rows).contiguous(), layer.k_cache, layer.v_cache, block_tables,
-        context_lens, scale_, num_blocks, tiled_kv_);
+        context_lens, scale_, num_blocks, tiled_kv_, attention_tiles_);
     return out.view({rows, num_heads_ * head_dim_});
   }
 
@@ -229,6 +232,7 @@ class DecoderStack : public torch::CustomClassHolder {
   double eps_, scale_;
   bool use_tiles_;
   bool tiled_kv_;  // the caches are in the tiled layout (kv_layout.h)
+  bool attention_tiles_;  // decode attention on the AMX tile unit (paged_decode_attention)
   std::vector<Layer> layers_;
 };
 
@@ -236,7 +240,8 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, double, bool, bool,
+                            bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("forward", &DecoderStack::forward);
 }

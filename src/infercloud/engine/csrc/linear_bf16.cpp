@@ -42,11 +42,7 @@
 #include "vec_math.h"
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define INFERCLOUD_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -71,12 +67,7 @@ bool has_linear_bf16() {
 // process the tile data state (asked once; a kernel without AMX support refuses).
 bool has_linear_tiles() {
 #if defined(INFERCLOUD_AMX)
-  static const bool granted = [] {
-    constexpr long kArchReqXcompPerm = 0x1023;
-    constexpr long kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
+  return infercloud_amx::tiles_granted();
 #else
   return false;
 #endif
@@ -172,30 +163,17 @@ constexpr int64_t kTileRows = 16;   // rows of an A or C tile
 constexpr int64_t kTileK = 32;      // k per tile step: 64 bytes of bfloat16 per A row
 constexpr int64_t kTileBlock = 32;  // rows of x per block: two A tiles
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // tmm0..3: C[i][j] (i: row tile, j: column tile); tmm4, tmm5: A[i]; tmm6, tmm7: B[j]. Every
 // tile is 16 rows of 64 bytes. Loaded in each thread before its work: oneDNN's kernels load
 // their own configuration on the same threads.
-TileConfig tile_config() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
+infercloud_amx::TileConfig tile_config() {
+  infercloud_amx::TileConfig config;
+  for (int t = 0; t < 8; ++t) config.set(t, kTileRows, 64);
   return config;
 }
 
 void configure_tiles() {
-  // A static object, not a local: GCC 12 does not see that ldtilecfg reads its operand and
-  // dropped the stores that filled a local configuration (the load then faulted).
-  static const TileConfig config = tile_config();
+  static const infercloud_amx::TileConfig config = tile_config();
   _tile_loadconfig(&config);
 }
 

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
 #include "kv_layout.h"
 #include "vec_math.h"
 #if defined(__AVX512BF16__)
@@ -259,6 +260,163 @@ void attend_task_tiled(const Task& task, const Shape& shape, const c10::BFloat16
 }
 #endif  // __AVX512BF16__
 
+#if defined(INFERCLOUD_AMX)
+// ---------------------------------------------------------------------------------------------
+// Tiled blocks on the AMX tile unit (bfloat16, head_dim = 32 * KC, a group of at most 16 query
+// heads). Where the tile unit is there, vdpbf16ps can be slow: one every other cycle on the AMX
+// Xeon measured (benchmarks/isa_throughput.cpp), half the rate of float32 FMAs. A tiled block
+// already is the tile unit's B operand: its keys, [head_dim / 2][16 tokens][2], are KC tiles of
+// 16 dimension pairs by 16 tokens, and its values, [8 token pairs][head_dim][2], are head_dim /
+// 16 tiles of 8 token pairs by 16 dimensions (rows head_dim * 4 bytes apart). The query rows of
+// the group and their probabilities are the A operands, one row per head.
+//
+// Tile registers (one configuration per group size):
+//   tmm0  A  probabilities of the group for one block's 16 tokens   [group][32 bytes]
+//   tmm1  A  32 dimensions of the group's query rows                [group][64 bytes]
+//   tmm2  B  16 dimension pairs of a key block                      [16][64 bytes]
+//   tmm3  B  8 token pairs of a value block, 16 dimensions          [8][64 bytes]
+//   tmm4  C  scores of a block, float32 [group][16]; then, with tmm5..7, the weighted values of
+//            up to 64 dimensions, float32 [group][16] each
+//
+// Scores are the products of the unscaled bfloat16 query and keys, summed in float32 by the
+// tile unit and scaled after; the probabilities are rounded to bfloat16 as in the vdpbf16ps
+// path. The tile unit flushes denormal inputs to zero. Slots of the last block past the context
+// are zeroed in a copy before they meet a probability of zero (their contents are not ours: a
+// NaN there would poison the sum).
+
+constexpr int kAmxMaxGroup = 16;
+
+const infercloud_amx::TileConfig& amx_attention_config(int64_t group) {
+  static const auto configs = [] {
+    std::vector<infercloud_amx::TileConfig> all(kAmxMaxGroup + 1);
+    for (int g = 1; g <= kAmxMaxGroup; ++g) {
+      infercloud_amx::TileConfig& c = all[g];
+      c.set(0, g, 32);
+      c.set(1, g, 64);
+      c.set(2, 16, 64);
+      c.set(3, 8, 64);
+      for (int t = 4; t < 8; ++t) c.set(t, g, 64);
+    }
+    return all;
+  }();
+  return configs[group];
+}
+
+// The weighted values of dimensions [16 * first, 16 * (first + NJ)) over the task's blocks.
+template <int NJ>
+inline void amx_values(const c10::BFloat16* probs, int64_t padded, int64_t head_dim, int first,
+                       const c10::BFloat16* const* value_blocks, int64_t used_blocks,
+                       float* out_f32) {
+  static_assert(NJ >= 1 && NJ <= 4, "at most four C tiles");
+  _tile_zero(4);
+  if constexpr (NJ > 1) _tile_zero(5);
+  if constexpr (NJ > 2) _tile_zero(6);
+  if constexpr (NJ > 3) _tile_zero(7);
+  const int64_t value_row = head_dim * 4;  // bytes between token pairs
+  for (int64_t b = 0; b < used_blocks; ++b) {
+    _tile_loadd(0, probs + b * 16, padded * 2);
+    const c10::BFloat16* vb = value_blocks[b] + first * 32;
+    // C tile 4 + j += tmm0 . tmm3 (tile numbers are immediates, spelled out)
+    _tile_loadd(3, vb, value_row);
+    _tile_dpbf16ps(4, 0, 3);
+    if constexpr (NJ > 1) {
+      _tile_loadd(3, vb + 32, value_row);
+      _tile_dpbf16ps(5, 0, 3);
+    }
+    if constexpr (NJ > 2) {
+      _tile_loadd(3, vb + 64, value_row);
+      _tile_dpbf16ps(6, 0, 3);
+    }
+    if constexpr (NJ > 3) {
+      _tile_loadd(3, vb + 96, value_row);
+      _tile_dpbf16ps(7, 0, 3);
+    }
+  }
+  float* dst = out_f32 + first * 16;
+  const int64_t stride = head_dim * 4;
+  _tile_stored(4, dst, stride);
+  if constexpr (NJ > 1) _tile_stored(5, dst + 16, stride);
+  if constexpr (NJ > 2) _tile_stored(6, dst + 32, stride);
+  if constexpr (NJ > 3) _tile_stored(7, dst + 48, stride);
+}
+
+// Per-thread buffers of the tile path.
+struct AmxScratch {
+  std::vector<float> scores;                       // [group][padded]
+  std::vector<c10::BFloat16> probs;                // [group][padded]
+  std::vector<float> out_f32;                      // [group][head_dim]
+  std::vector<c10::BFloat16> last_values;          // one value block, slots past ctx zeroed
+  std::vector<const c10::BFloat16*> value_blocks;  // where each block's values start
+};
+
+template <int KC>
+void attend_task_amx(const Task& task, const Shape& shape, const c10::BFloat16* k_ptr,
+                     const c10::BFloat16* v_ptr, AmxScratch& scratch, c10::BFloat16* out) {
+  constexpr int64_t kHeadDim = 32 * KC;
+  const int64_t group = shape.group, bs = shape.block_size;  // bs == 16
+  const int64_t used_blocks = (task.ctx + bs - 1) / bs;
+  const int64_t padded = used_blocks * bs;
+  const TaskBlocks<c10::BFloat16> blocks{task, shape, bs * kHeadDim, used_blocks};
+  const c10::BFloat16* q = static_cast<const c10::BFloat16*>(task.q_raw);
+  scratch.scores.resize(group * padded);
+  float* scores = scratch.scores.data();
+  blocks.key_pass(k_ptr, v_ptr, [&](int64_t first, int64_t, const c10::BFloat16* kb) {
+    _tile_zero(4);
+    for (int c = 0; c < KC; ++c) {
+      _tile_loadd(1, q + 32 * c, kHeadDim * 2);
+      _tile_loadd(2, kb + c * 512, 64);
+      _tile_dpbf16ps(4, 1, 2);
+    }
+    _tile_stored(4, scores + first, padded * 4);
+  });
+  // Probabilities: scaled, normalised, rounded to bfloat16, zero past the context.
+  scratch.probs.resize(group * padded);
+  const __m512 scale = _mm512_set1_ps(task.scale);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * padded;
+    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(load16(s + t), scale));
+    const __m512 inv = _mm512_set1_ps(exp_and_inv_sum(s, task.ctx));
+    c10::BFloat16* pg = scratch.probs.data() + g * padded;
+    for (int64_t t = 0; t < padded; t += 16) {
+      const int64_t n = std::min<int64_t>(16, task.ctx - t);
+      const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+      store16(pg + t, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + t), inv));
+    }
+  }
+  scratch.value_blocks.resize(used_blocks);
+  for (int64_t b = 0; b < used_blocks; ++b) scratch.value_blocks[b] = blocks.of(v_ptr, b);
+  const int64_t last_count = task.ctx - (used_blocks - 1) * bs;
+  if (last_count < bs) {
+    scratch.last_values.assign(bs * kHeadDim, c10::BFloat16(0.0f));
+    const c10::BFloat16* src = scratch.value_blocks[used_blocks - 1];
+    c10::BFloat16* dst = scratch.last_values.data();
+    for (int64_t p = 0; p < (last_count + 1) / 2; ++p) {
+      std::memcpy(dst + p * kHeadDim * 2, src + p * kHeadDim * 2, kHeadDim * 4);
+    }
+    if (last_count % 2 != 0) {  // the lone last token: its pair's other slot is not its own
+      c10::BFloat16* pair = dst + (last_count / 2) * kHeadDim * 2;
+      for (int64_t d = 0; d < kHeadDim; ++d) pair[2 * d + 1] = c10::BFloat16(0.0f);
+    }
+    scratch.value_blocks[used_blocks - 1] = dst;
+  }
+  scratch.out_f32.resize(group * kHeadDim);
+  for (int first = 0; first < 2 * KC; first += 4) {  // 16-dimension tiles, four at a time
+    if constexpr (KC == 1) {
+      amx_values<2>(scratch.probs.data(), padded, kHeadDim, first, scratch.value_blocks.data(),
+                    used_blocks, scratch.out_f32.data());
+    } else {
+      amx_values<4>(scratch.probs.data(), padded, kHeadDim, first, scratch.value_blocks.data(),
+                    used_blocks, scratch.out_f32.data());
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < kHeadDim; d += 16) {
+      store16(out + g * kHeadDim + d, load16(scratch.out_f32.data() + g * kHeadDim + d));
+    }
+  }
+}
+#endif  // INFERCLOUD_AMX
+
 // head_dim = kLanes * ND, known at compile time so that a row lives in ND registers.
 template <typename T, int ND>
 void attend_task(const Task& task, const Shape& shape, const T* k_ptr, const T* v_ptr,
@@ -361,7 +519,8 @@ void attend_task_generic(const Task& task, const Shape& shape, const T* k_ptr, c
 template <typename T>
 void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& block_tables, const at::Tensor& context_lens,
-                      double scale, int64_t num_blocks, bool tiled, at::Tensor& out) {
+                      double scale, int64_t num_blocks, bool tiled, bool tile_unit,
+                      at::Tensor& out) {
   const int64_t num_seqs = q.size(0);
   const int64_t num_heads = q.size(1);
   const int64_t head_dim = q.size(2);
@@ -389,7 +548,41 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
     while (part < parts && done * parts >= total * part) cuts[part++] = task + 1;
   }
 
+#if defined(INFERCLOUD_AMX)
+  const bool amx = std::is_same_v<T, c10::BFloat16> && tiled && tile_unit &&
+                   shape.group <= kAmxMaxGroup && infercloud_amx::tiles_granted();
+#endif
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+#if defined(INFERCLOUD_AMX)
+    if (amx) {
+      // Our configuration on this thread (oneDNN's kernels load their own on the same threads).
+      _tile_loadconfig(&amx_attention_config(shape.group));
+      AmxScratch scratch;
+      for (int64_t p = begin; p < end; ++p) {
+        for (int64_t task_id = cuts[p]; task_id < cuts[p + 1]; ++task_id) {
+          const int64_t seq = task_id / num_kv_heads;
+          const int64_t kv_head = task_id % num_kv_heads;
+          const int64_t first_head = kv_head * shape.group;
+          const c10::BFloat16* q_src = reinterpret_cast<const c10::BFloat16*>(q_ptr) +
+                                       (seq * num_heads + first_head) * head_dim;
+          const Task task{nullptr, q_src, scale_f, tables + seq * max_blocks, lens[seq], kv_head};
+          c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out_ptr) +
+                               (seq * num_heads + first_head) * head_dim;
+          const auto* k_bf = reinterpret_cast<const c10::BFloat16*>(k_ptr);
+          const auto* v_bf = reinterpret_cast<const c10::BFloat16*>(v_ptr);
+          if (head_dim == 32) {
+            attend_task_amx<1>(task, shape, k_bf, v_bf, scratch, dst);
+          } else if (head_dim == 64) {
+            attend_task_amx<2>(task, shape, k_bf, v_bf, scratch, dst);
+          } else {
+            attend_task_amx<4>(task, shape, k_bf, v_bf, scratch, dst);
+          }
+        }
+      }
+      _tile_release();
+      return;
+    }
+#endif
     std::vector<float> qf(shape.group * head_dim);
     std::vector<float> scores;
     std::vector<int32_t> probs;
@@ -446,10 +639,19 @@ bool has_tiled_decode() {
 #endif
 }
 
+// Whether `tile_unit=True` runs the tiled path on the AMX tile unit here (else it is ignored).
+bool has_attention_tiles() {
+#if defined(INFERCLOUD_AMX)
+  return infercloud_amx::tiles_granted();
+#else
+  return false;
+#endif
+}
+
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
                                   const at::Tensor& context_lens, double scale,
-                                  int64_t num_blocks, bool tiled) {
+                                  int64_t num_blocks, bool tiled, bool tile_unit) {
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [num_kv_heads * num_blocks, block_size, head_dim]");
@@ -497,15 +699,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   switch (q.scalar_type()) {
     case at::kFloat:
       decode_attention<float>(q, k_cache, v_cache, block_tables, context_lens, scale, num_blocks,
-                              tiled, out);
+                              tiled, tile_unit, out);
       break;
     case at::kBFloat16:
       decode_attention<c10::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      num_blocks, tiled, out);
+                                      num_blocks, tiled, tile_unit, out);
       break;
     case at::kHalf:
       decode_attention<c10::Half>(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                  num_blocks, tiled, out);
+                                  num_blocks, tiled, tile_unit, out);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", q.scalar_type());
@@ -518,8 +720,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 TORCH_LIBRARY(infercloud, m) {
   m.def(
       "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, int num_blocks, bool tiled=False) -> Tensor");
+      "Tensor context_lens, float scale, int num_blocks, bool tiled=False, bool tile_unit=False) "
+      "-> Tensor");
   m.def("has_tiled_decode() -> bool", &has_tiled_decode);
+  m.def("has_attention_tiles() -> bool", &has_attention_tiles);
 }
 
 TORCH_LIBRARY_IMPL(infercloud, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
