@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-attention-tiles",
         dest="attention_tiles",
         action="store_false",
-        help="keep decode attention on vdpbf16ps where the CPU has the AMX tile unit (else its "
-        "products run on the tile unit, with the tiled KV layout)",
+        help="keep both attention kernels on vdpbf16ps where the CPU has the AMX tile unit (else "
+        "their products run on the tile unit, with the tiled KV layout)",
     )
     engine.add_argument(
         "--decode-group-overhead-tokens",

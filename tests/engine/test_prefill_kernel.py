@@ -75,13 +75,23 @@ def _per_head(
         row += n
 
 
+on_tiles = pytest.mark.skipif(
+    not (load_kernels() and ops.has_linear_bf16() and ops.has_attention_tiles()),
+    reason="no AMX tile unit on this CPU",
+)
+TILE_UNIT = [False, pytest.param(True, marks=on_tiles, id="tile-unit")]
+
+
 @bf16
-def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
+@pytest.mark.parametrize("tile_unit", TILE_UNIT)
+def test_matches_causal_attention_as_closely_as_the_torch_path(tile_unit: bool) -> None:
     q, k_cache, v_cache, tables = _setup()
     starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
     lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
     scale = HEAD_DIM**-0.5
-    got = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
+    got = ops.paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS, False, tile_unit
+    )
     assert got.shape == (q.shape[0], HEADS * HEAD_DIM) and got.dtype == torch.bfloat16
     err_kernel, err_torch = 0.0, 0.0
     for mine, qh, k, v, bias in _per_head(got, q, k_cache, v_cache, tables):
@@ -93,7 +103,8 @@ def test_matches_causal_attention_as_closely_as_the_torch_path() -> None:
 
 
 @bf16
-def test_tiled_caches_give_the_same_bits() -> None:
+@pytest.mark.parametrize("tile_unit", TILE_UNIT)
+def test_tiled_caches_give_the_same_bits(tile_unit: bool) -> None:
     """The tiled layout's blocks are the tiles the kernel packs from plain ones: the same
     result, bit for bit, also with NaN in every slot past each chunk's context (the tiled path
     reads those slots and must mask them, the plain one never reads them)."""
@@ -101,7 +112,9 @@ def test_tiled_caches_give_the_same_bits() -> None:
     starts = torch.tensor([s for s, _ in CHUNKS], dtype=torch.int32)
     lens = torch.tensor([n for _, n in CHUNKS], dtype=torch.int32)
     scale = HEAD_DIM**-0.5
-    want = ops.paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS)
+    want = ops.paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, lens, scale, NUM_BLOCKS, False, tile_unit
+    )
     for (start, n), table in zip(CHUNKS, tables.tolist(), strict=True):
         last, used = table[(start + n - 1) // BLOCK], (start + n - 1) % BLOCK + 1
         for h in range(KV_HEADS):
@@ -109,9 +122,31 @@ def test_tiled_caches_give_the_same_bits() -> None:
             v_cache[h * NUM_BLOCKS + last, used:] = float("nan")
     k_tiled, v_tiled = tiled_keys(k_cache), tiled_values(v_cache)
     got = ops.paged_prefill_attention(
-        q, k_tiled, v_tiled, tables, starts, lens, scale, NUM_BLOCKS, True
+        q, k_tiled, v_tiled, tables, starts, lens, scale, NUM_BLOCKS, True, tile_unit
     )
     assert torch.equal(got, want)
+
+
+@on_tiles
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 2, 32), (9, 3, 64), (4, 1, 128)])
+def test_tile_unit_gives_the_vector_result(heads: int, kv_heads: int, head_dim: int) -> None:
+    """The tile unit's products against vdpbf16ps's, on the same packed tiles: equal within
+    float32 summation order (both round the probabilities to bfloat16), for every head size the
+    kernel takes a tile path for; a group of 4 query heads of 128 dimensions needs two passes
+    over the values (four output tiles at a time)."""
+    gen = torch.Generator().manual_seed(1)
+    num_blocks = 64
+    chunks = [(0, 70), (33, 5), (0, 1), (200, 48)]
+    k_cache = torch.randn(kv_heads * num_blocks, BLOCK, head_dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads * num_blocks, BLOCK, head_dim, generator=gen).bfloat16()
+    tables = torch.randperm(num_blocks, generator=gen)[: len(chunks) * 16].view(len(chunks), 16)
+    q = torch.randn(sum(n for _, n in chunks), heads, head_dim, generator=gen).bfloat16()
+    starts = torch.tensor([s for s, _ in chunks], dtype=torch.int32)
+    lens = torch.tensor([n for _, n in chunks], dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables.int(), starts, lens, head_dim**-0.5, num_blocks, False)
+    vector = ops.paged_prefill_attention(*args, False)
+    tiles = ops.paged_prefill_attention(*args, True)
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=8e-3, rtol=8e-3)
 
 
 @f32

@@ -102,7 +102,8 @@ class AttentionMetadata:
     through `write_kv_tiled`, and only the kernels read them (`decodes` and `prefills` are
     empty)."""
     tile_unit: bool = False
-    """With `tiled`: decode attention runs on the AMX tile unit (`csrc/paged_attention.cpp`)."""
+    """Both attention kernels run their products on the AMX tile unit (`csrc/paged_attention.cpp`,
+    `csrc/prefill_attention.cpp`); decode attention only with `tiled`."""
 
 
 def paged_attention(
@@ -168,6 +169,7 @@ def paged_attention(
             scale,
             num_blocks,
             meta.tiled,
+            meta.tile_unit,
         )
 
     for chunk in meta.prefills:

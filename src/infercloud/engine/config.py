@@ -67,9 +67,10 @@ class EngineConfig:
     whose blocks are the operands vdpbf16ps takes (keys by dimension pair, values by token
     pair), else plain."""
     attention_tiles: bool = True
-    """Where the KV cache is tiled and the CPU has the AMX tile unit (and Linux grants it),
-    decode attention runs its products on the tile unit (`csrc/paged_attention.cpp`), whose
-    operands the tiled blocks already are; else on vdpbf16ps."""
+    """Where the KV cache is tiled and the CPU has the AMX tile unit (and Linux grants it), both
+    attention kernels run their products on the tile unit (`csrc/paged_attention.cpp`,
+    `csrc/prefill_attention.cpp`), whose B operands the tiled blocks and packed tiles already
+    are; else on vdpbf16ps."""
     decode_group_overhead_tokens: int = DEFAULT_DECODE_GROUP_OVERHEAD_TOKENS
     """With torch decode attention, decoding requests attend in groups of similar context
     length; a group costs about this many tokens of padded attention in fixed work

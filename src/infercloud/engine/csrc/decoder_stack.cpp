@@ -61,11 +61,11 @@ struct Ops {
               "infercloud::paged_decode_attention");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                      double, int64_t, bool)>
+                                      double, int64_t, bool, bool)>
       prefill_attention =
           find_op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                             int64_t, bool)>("infercloud::paged_prefill_attention");
+                             int64_t, bool, bool)>("infercloud::paged_prefill_attention");
 };
 
 const Ops& ops() {
@@ -224,7 +224,7 @@ class DecoderStack : public torch::CustomClassHolder {
                      const at::Tensor& lens, int64_t num_blocks) const {
     const at::Tensor out = ops().prefill_attention.call(
         q.narrow(0, start, rows).contiguous(), layer.k_cache, layer.v_cache, block_tables,
-        starts, lens, scale_, num_blocks, tiled_kv_);
+        starts, lens, scale_, num_blocks, tiled_kv_, attention_tiles_);
     return out.view({rows, num_heads_ * head_dim_});
   }
 
@@ -232,7 +232,7 @@ class DecoderStack : public torch::CustomClassHolder {
   double eps_, scale_;
   bool use_tiles_;
   bool tiled_kv_;  // the caches are in the tiled layout (kv_layout.h)
-  bool attention_tiles_;  // decode attention on the AMX tile unit (paged_decode_attention)
+  bool attention_tiles_;  // both attentions on the AMX tile unit (the kernels' tile_unit)
   std::vector<Layer> layers_;
 };
 

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "f32_gemm.h"
 #include "vec_math.h"
 #if defined(__AVX512BF16__)
@@ -131,11 +132,21 @@ void for_each_row_block(const T* q, T* out, const std::vector<Chunk>& chunks,
 using Bf16 = c10::BFloat16;
 constexpr int kRows = 8;  // query rows per block
 
+// Zeroes the rows [key_pairs, pair_stride) of every V^T tile (the tile path reads whole tiles of
+// 16 key pairs; a zero probability times a zero value adds nothing).
+void zero_pair_padding(Bf16* v_tiles, int64_t key_pairs, int64_t pair_stride, int64_t head_dim) {
+  if (key_pairs == pair_stride) return;
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    std::fill(v_tiles + (d / 16) * pair_stride * 32 + key_pairs * 32,
+              v_tiles + (d / 16 + 1) * pair_stride * 32, Bf16(0.0f));
+  }
+}
+
 // Packs this (chunk, head)'s `ctx` keys as K^T tiles [ceil(ctx/16)][head_dim/2][16][2] and values
-// as V^T tiles [head_dim/16][ceil(ctx/2)][16][2]; padding is zero.
+// as V^T tiles [head_dim/16][pair_stride][16][2] (pair_stride >= ceil(ctx/2)); padding is zero.
 void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int64_t ctx,
              int64_t kv_head, int64_t num_blocks, int64_t block_size, int64_t head_dim,
-             Bf16* k_tiles, Bf16* v_tiles) {
+             int64_t pair_stride, Bf16* k_tiles, Bf16* v_tiles) {
   const int64_t dim_pairs = head_dim / 2;
   const int64_t key_pairs = (ctx + 1) / 2;
   if (ctx % 16 != 0) {  // the last key tile's unused columns: zero (full tiles are overwritten)
@@ -178,10 +189,11 @@ void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int
                         : _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                                 reinterpret_cast<const __m256i*>(v1 + d))),
                                             16);
-      _mm512_storeu_si512(v_tiles + (d / 16) * key_pairs * 32 + pair * 32,
+      _mm512_storeu_si512(v_tiles + (d / 16) * pair_stride * 32 + pair * 32,
                           _mm512_or_si512(lo, hi));
     }
   }
+  zero_pair_padding(v_tiles, key_pairs, pair_stride, head_dim);
 }
 
 // The same tiles from tiled caches (kv_layout.h), whose blocks already are them: a key block is
@@ -190,8 +202,8 @@ void pack_kv(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int
 // are one 64-byte V^T vector (the pair's second slot zeroed where it lies past the context, as
 // pack_kv pads it). The results are the same bits as pack_kv's.
 void copy_kv_tiles(const Bf16* k_cache, const Bf16* v_cache, const int32_t* table, int64_t ctx,
-                   int64_t kv_head, int64_t num_blocks, int64_t head_dim, Bf16* k_tiles,
-                   Bf16* v_tiles) {
+                   int64_t kv_head, int64_t num_blocks, int64_t head_dim, int64_t pair_stride,
+                   Bf16* k_tiles, Bf16* v_tiles) {
   const int64_t block = infercloud_kv::kTiledBlock * head_dim;  // elements per block
   auto block_of = [&](const Bf16* cache, int64_t b) {
     return cache + (kv_head * num_blocks + table[b]) * block;
@@ -207,9 +219,10 @@ void copy_kv_tiles(const Bf16* k_cache, const Bf16* v_cache, const int32_t* tabl
     for (int64_t d = 0; d < head_dim; d += 16) {
       __m512i x = _mm512_loadu_si512(src + d * 2);
       if (lone) x = _mm512_and_si512(x, _mm512_set1_epi32(0xFFFF));
-      _mm512_storeu_si512(v_tiles + (d / 16) * key_pairs * 32 + pair * 32, x);
+      _mm512_storeu_si512(v_tiles + (d / 16) * pair_stride * 32 + pair * 32, x);
     }
   }
+  zero_pair_padding(v_tiles, key_pairs, pair_stride, head_dim);
 }
 
 // Scores of `rows` query rows (from `q`, stride ldq) against key tiles [0, tiles): s [rows][ldS].
@@ -253,20 +266,16 @@ void weigh_values(const Bf16* p, int64_t ldp, int64_t pairs, const Bf16* v_tiles
   }
 }
 
-template <int MR>
-void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t head_dim,
-                 const Bf16* k_tiles, const Bf16* v_tiles, int64_t ctx, float scale,
-                 std::vector<float>& s, std::vector<Bf16>& p, Bf16* out, int64_t ldo) {
-  const int64_t last = positions[MR - 1];  // rows are in position order
-  const int64_t keys = last + 1, tiles = (keys + 15) / 16, width = tiles * 16;
-  s.resize(MR * width);
-  p.resize(MR * width);
-  score_rows<MR>(q, ldq, head_dim / 2, k_tiles, tiles, s.data(), width);
+// Probabilities of `rows` rows of scores (s, p: `width` apart): row m sees positions
+// [0, positions[m]]; scaled, masked, softmax in float32, rounded to bfloat16, zero past what a
+// row sees (up to width).
+void softmax_rows(int rows, const int64_t* positions, float scale, float* s, Bf16* p,
+                  int64_t width) {
   const __m512 scale16 = _mm512_set1_ps(scale);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int m = 0; m < MR; ++m) {
-    float* sm = s.data() + m * width;
-    Bf16* pm = p.data() + m * width;
+  for (int m = 0; m < rows; ++m) {
+    float* sm = s + m * width;
+    Bf16* pm = p + m * width;
     const int64_t visible = positions[m] + 1;
     auto lanes = [&](int64_t j) {
       const int64_t n = std::min<int64_t>(16, std::max<int64_t>(0, visible - j));
@@ -292,10 +301,140 @@ void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t h
       infercloud_vec::store16(pm + j, _mm512_mul_ps(e, inv));
     }
   }
-  weigh_values<MR>(p.data(), width, (keys + 1) / 2, v_tiles, (ctx + 1) / 2, head_dim / 16, out,
-                   ldo);
 }
+template <int MR>
+void attend_rows(const Bf16* q, int64_t ldq, const int64_t* positions, int64_t head_dim,
+                 const Bf16* k_tiles, const Bf16* v_tiles, int64_t pair_stride, float scale,
+                 std::vector<float>& s, std::vector<Bf16>& p, Bf16* out, int64_t ldo) {
+  const int64_t last = positions[MR - 1];  // rows are in position order
+  const int64_t keys = last + 1, tiles = (keys + 15) / 16, width = tiles * 16;
+  s.resize(MR * width);
+  p.resize(MR * width);
+  score_rows<MR>(q, ldq, head_dim / 2, k_tiles, tiles, s.data(), width);
+  softmax_rows(MR, positions, scale, s.data(), p.data(), width);
+  weigh_values<MR>(p.data(), width, (keys + 1) / 2, v_tiles, pair_stride, head_dim / 16, out, ldo);
+}
+
 #endif  // __AVX512BF16__
+
+#if defined(INFERCLOUD_AMX)
+// ---------------------------------------------------------------------------------------------
+// The same two products on the AMX tile unit (where vdpbf16ps runs at half the float32 FMA rate,
+// as on the AMX Xeon measured). The packed tiles above already are its B operands: 16 dimension
+// pairs of a K^T tile (one kilobyte), 16 key pairs of a V^T tile (rows 64 bytes apart, the
+// tiles padded to a whole number of 16 pairs). The A operands are 16 query rows (32 dimensions
+// a step) and their probabilities (32 keys a step). Every tile register is 16 rows of 64 bytes:
+//   tmm0, tmm5, tmm6, tmm7  C  scores of one key tile (tmm0), then 4 x 16 output dimensions
+//   tmm1                    A  16 query rows, 32 dimensions
+//   tmm2                    B  a key tile's 16 dimension pairs
+//   tmm3                    A  16 rows of probabilities, 32 keys
+//   tmm4                    B  16 key pairs of a value tile
+constexpr int kAmxRows = 16;
+
+void configure_prefill_tiles() {
+  static const infercloud_amx::TileConfig config = [] {
+    infercloud_amx::TileConfig c;
+    for (int t = 0; t < 8; ++t) c.set(t, kAmxRows, 64);
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+struct AmxScratch {
+  std::vector<float> s;
+  std::vector<Bf16> p;
+  alignas(64) Bf16 q[kAmxRows * 256];
+  alignas(64) float o[kAmxRows * 256];
+  int64_t positions[kAmxRows];
+};
+
+// One thread's share of a call (a chunk of parallel_for): our tile configuration is loaded
+// before its first row block (oneDNN's kernels load their own on the same threads) and the
+// tile state is released after its last.
+class AmxThread {
+ public:
+  AmxThread() = default;
+  AmxThread(const AmxThread&) = delete;
+  AmxThread& operator=(const AmxThread&) = delete;
+  ~AmxThread() {
+    if (scratch_) _tile_release();
+  }
+  AmxScratch& scratch() {
+    if (!scratch_) {
+      scratch_ = std::make_unique<AmxScratch>();
+      configure_prefill_tiles();
+    }
+    return *scratch_;
+  }
+
+ private:
+  std::unique_ptr<AmxScratch> scratch_;
+};
+
+// `count` (<= 16) query rows (q, head_dim apart, at ascending `positions`) over their keys:
+// out [count][head_dim]. Rows past count run as copies of the last position on zero queries
+// (their results are dropped).
+void attend_rows_amx(AmxScratch& sc, int64_t count, const Bf16* q, const int64_t* positions,
+                     int64_t head_dim, const Bf16* k_tiles, const Bf16* v_tiles,
+                     int64_t pair_stride, float scale, Bf16* out) {
+  std::copy_n(q, count * head_dim, sc.q);
+  std::fill(sc.q + count * head_dim, sc.q + kAmxRows * head_dim, Bf16(0.0f));
+  for (int64_t m = 0; m < kAmxRows; ++m) sc.positions[m] = positions[std::min(m, count - 1)];
+  const int64_t keys = sc.positions[kAmxRows - 1] + 1, tiles = (keys + 15) / 16;
+  const int64_t width = (keys + 31) / 32 * 32;  // whole 32-key steps of the values' product
+  sc.s.resize(kAmxRows * width);
+  sc.p.resize(kAmxRows * width);
+  const int64_t q_row = head_dim * 2, key_tile = head_dim * 16;  // bytes, elements
+  for (int64_t t = 0; t < tiles; ++t) {
+    _tile_zero(0);
+    for (int64_t c = 0; c < head_dim / 32; ++c) {
+      _tile_loadd(1, sc.q + 32 * c, q_row);
+      _tile_loadd(2, k_tiles + t * key_tile + c * 512, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, sc.s.data() + t * 16, width * 4);
+  }
+  softmax_rows(kAmxRows, sc.positions, scale, sc.s.data(), sc.p.data(), width);
+  const int64_t value_tile = pair_stride * 32;  // elements
+  for (int64_t j = 0; j < head_dim / 16; j += 4) {  // 4 output tiles of 16 dimensions at a time
+    const int64_t nj = std::min<int64_t>(4, head_dim / 16 - j);
+    const Bf16* vt = v_tiles + j * value_tile;
+    _tile_zero(0);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t step = 0; step < width / 32; ++step) {
+      _tile_loadd(3, sc.p.data() + step * 32, width * 2);
+      const Bf16* v = vt + step * 512;  // 16 key pairs
+      _tile_loadd(4, v, 64);
+      _tile_dpbf16ps(0, 3, 4);
+      if (nj > 1) {
+        _tile_loadd(4, v + value_tile, 64);
+        _tile_dpbf16ps(5, 3, 4);
+      }
+      if (nj > 2) {
+        _tile_loadd(4, v + 2 * value_tile, 64);
+        _tile_dpbf16ps(6, 3, 4);
+      }
+      if (nj > 3) {
+        _tile_loadd(4, v + 3 * value_tile, 64);
+        _tile_dpbf16ps(7, 3, 4);
+      }
+    }
+    float* o = sc.o + j * 16;
+    _tile_stored(0, o, head_dim * 4);
+    if (nj > 1) _tile_stored(5, o + 16, head_dim * 4);
+    if (nj > 2) _tile_stored(6, o + 32, head_dim * 4);
+    if (nj > 3) _tile_stored(7, o + 48, head_dim * 4);
+  }
+  for (int64_t m = 0; m < count; ++m) {
+    for (int64_t d = 0; d < head_dim; d += 16) {
+      infercloud_vec::store16(out + m * head_dim + d, _mm512_loadu_ps(sc.o + m * head_dim + d));
+    }
+  }
+}
+#endif  // INFERCLOUD_AMX
+
 
 #if defined(INFERCLOUD_VEC_LANES)
 // ---------------------------------------------------------------------------------------------
@@ -401,7 +540,8 @@ void prefill_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tenso
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                    const at::Tensor& v_cache, const at::Tensor& block_tables,
                                    const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
-                                   double scale, int64_t num_blocks, bool tiled) {
+                                   double scale, int64_t num_blocks, bool tiled,
+                                   bool tile_unit) {
   const bool f32 = q.scalar_type() == at::kFloat;
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && (f32 || q.scalar_type() == at::kBFloat16),
               "q must be contiguous bfloat16 or float32 [tokens, num_heads, head_dim]");
@@ -468,26 +608,42 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   const int64_t num_heads = q.size(1);
   const Bf16* kc = k_cache.data_ptr<Bf16>();
   const Bf16* vc = v_cache.data_ptr<Bf16>();
+  // V^T tiles hold a whole number of 16 key pairs: the tile path reads them 16 at a time.
+  auto pair_stride = [](int64_t ctx) { return ((ctx + 1) / 2 + 15) / 16 * 16; };
   const PackedTasks<Bf16> packed = pack_tasks<Bf16>(
       chunks, num_kv_heads,
       [&](int64_t ctx) {
         return std::pair<int64_t, int64_t>{(ctx + 15) / 16 * head_dim * 16,
-                                           (ctx + 1) / 2 * 2 * head_dim};
+                                           pair_stride(ctx) * 2 * head_dim};
       },
       [&](const Chunk& ch, int64_t kv_head, Bf16* keys, Bf16* values) {
+        const int64_t ctx = ch.start + ch.len;
         if (tiled) {
-          copy_kv_tiles(kc, vc, ch.table, ch.start + ch.len, kv_head, num_blocks, head_dim, keys,
-                        values);
+          copy_kv_tiles(kc, vc, ch.table, ctx, kv_head, num_blocks, head_dim, pair_stride(ctx),
+                        keys, values);
         } else {
-          pack_kv(kc, vc, ch.table, ch.start + ch.len, kv_head, num_blocks, block_size, head_dim,
-                  keys, values);
+          pack_kv(kc, vc, ch.table, ctx, kv_head, num_blocks, block_size, head_dim,
+                  pair_stride(ctx), keys, values);
         }
       });
+  const float scale_f = static_cast<float>(scale);
+#if defined(INFERCLOUD_AMX)
+  if (tile_unit && infercloud_amx::tiles_granted()) {
+    for_each_row_block<Bf16, kAmxRows, AmxThread>(
+        q.data_ptr<Bf16>(), out.data_ptr<Bf16>(), chunks, num_kv_heads, num_heads, head_dim,
+        [&](AmxThread& thread, int64_t count, const Bf16* q_rows, const int64_t* positions,
+            int64_t task, int64_t ctx, Bf16* o_rows) {
+          attend_rows_amx(thread.scratch(), count, q_rows, positions, head_dim,
+                          packed.keys(task), packed.values(task), pair_stride(ctx), scale_f,
+                          o_rows);
+        });
+    return out;
+  }
+#endif
   struct Scratch {
     std::vector<float> s;
     std::vector<Bf16> p;
   };
-  const float scale_f = static_cast<float>(scale);
   for_each_row_block<Bf16, kRows, Scratch>(
       q.data_ptr<Bf16>(), out.data_ptr<Bf16>(), chunks, num_kv_heads, num_heads, head_dim,
       [&](Scratch& scratch, int64_t count, const Bf16* q_rows, const int64_t* positions,
@@ -495,8 +651,9 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
         const Bf16* kt = packed.keys(task);
         const Bf16* vt = packed.values(task);
         infercloud_vec::with_count<kRows>(count, [&](auto rows) {
-          attend_rows<decltype(rows)::value>(q_rows, head_dim, positions, head_dim, kt, vt, ctx,
-                                             scale_f, scratch.s, scratch.p, o_rows, head_dim);
+          attend_rows<decltype(rows)::value>(q_rows, head_dim, positions, head_dim, kt, vt,
+                                             pair_stride(ctx), scale_f, scratch.s, scratch.p,
+                                             o_rows, head_dim);
         });
       });
 #endif
@@ -508,8 +665,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.def(
       "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor chunk_starts, Tensor chunk_lens, float scale, int num_blocks, bool tiled=False) -> "
-      "Tensor");
+      "Tensor chunk_starts, Tensor chunk_lens, float scale, int num_blocks, bool tiled=False, "
+      "bool tile_unit=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
