@@ -248,7 +248,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       using namespace infercloud_vec;
       for (; i + kLanes <= width; i += kLanes) {
         const vf x = vload(g + i);
-        const vf silu = vdiv(x, vadd(vset1(1.0f), vexp(vsub(vzero(), x))));
+        const vf silu = vmul(x, vrecip(vadd(vset1(1.0f), vexp(vsub(vzero(), x)))));
         // rounded to T, as torch's silu hands it to the product
         vstore(o + i, vmul(vround<T>(silu), vload(u + i)));
       }
