@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
+from infercloud.engine.host_allocator import keep_freed_memory
 from infercloud.engine.packed_linear import KernelLinear, PackedLinear, has_kernel_gemm
 
 SHAPES = {  # name: (out_features, in_features)
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--no-tiles", dest="tiles", action="store_false")
     parser.add_argument("--stream", action="store_true", help="a decode step's weights, cold")
     args = parser.parse_args()
+    keep_freed_memory()  # as the engine does: no fresh pages for every call's buffers
     dtype = getattr(torch, args.dtype)
     if not (load_kernels() and has_kernel_gemm(dtype)):
         raise SystemExit(f"no {args.dtype} GEMM of ours here: {load_error() or 'CPU lacks it'}")

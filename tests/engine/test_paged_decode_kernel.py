@@ -299,3 +299,26 @@ def test_paged_attention_uses_the_kernel_for_decodes() -> None:
     got = paged_attention(q, empty, empty, k, v, meta, 0.125)
     want = _torch_reference(q, k, v, tables, lengths, num_blocks, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_rows_are_read_in_place(dtype: torch.dtype) -> None:
+    """q as a view of a wider row (the fused qkv output): the contiguous copy's result, bit for
+    bit; heads that are not contiguous within a row are refused."""
+    lengths = [3, 40, 17]
+    q, k, v, tables, num_blocks = _case(lengths, 9, 3, 64, dtype, 2)
+    wide = torch.randn(len(lengths), 9 * 64 + 100).to(dtype)
+    wide[:, : 9 * 64] = q.reshape(len(lengths), -1)
+    view = wide[:, : 9 * 64].view(len(lengths), 9, 64)
+    assert not view.is_contiguous()
+    want = _kernel(q, k, v, tables, lengths, num_blocks, 0.125)
+    assert torch.equal(_kernel(view, k, v, tables, lengths, num_blocks, 0.125), want)
+    if dtype == torch.bfloat16 and load_kernels() and torch.ops.infercloud.has_tiled_decode():
+        for tile_unit in (False, True):  # tile_unit is ignored where the CPU has no AMX
+            tiled = _kernel(q, k, v, tables, lengths, num_blocks, 0.125, True, tile_unit)
+            strided = _kernel(view, k, v, tables, lengths, num_blocks, 0.125, True, tile_unit)
+            assert torch.equal(strided, tiled)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        _kernel(
+            q.transpose(1, 2).contiguous().transpose(1, 2), k, v, tables, lengths, num_blocks, 0.1
+        )

@@ -133,8 +133,11 @@ def paged_attention(
     paged = meta.paged_decode
     if paged is not None:
         num_blocks = k_cache.shape[0] // num_kv_heads
+        q_rows = q[: paged.num_seqs]
+        if q_rows.stride(2) != 1 or q_rows.stride(1) != head_dim:
+            q_rows = q_rows.contiguous()  # the kernel reads rows whose heads are contiguous
         out[: paged.num_seqs] = torch.ops.infercloud.paged_decode_attention(
-            q[: paged.num_seqs].contiguous(),
+            q_rows,
             k_cache,
             v_cache,
             paged.block_tables,

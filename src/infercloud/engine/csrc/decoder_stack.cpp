@@ -214,7 +214,7 @@ class DecoderStack : public torch::CustomClassHolder {
                     const at::Tensor& block_tables, const at::Tensor& context_lens,
                     int64_t num_blocks) const {
     const at::Tensor out = ops().decode_attention.call(
-        q.narrow(0, 0, rows).contiguous(), layer.k_cache, layer.v_cache, block_tables,
+        q.narrow(0, 0, rows), layer.k_cache, layer.v_cache, block_tables,
         context_lens, scale_, num_blocks, tiled_kv_, attention_tiles_);
     return out.view({rows, num_heads_ * head_dim_});
   }

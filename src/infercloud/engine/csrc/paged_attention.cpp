@@ -4,7 +4,9 @@
 //
 // Layout (see attention.py): a layer's cache is [num_kv_heads * num_blocks, block_size, head_dim],
 // row `kv_head * num_blocks + block`. block_tables is int32 [num_seqs, max_blocks] (entries past
-// a sequence's last block are ignored), context_lens int32 [num_seqs] (>= 1).
+// a sequence's last block are ignored), context_lens int32 [num_seqs] (>= 1). q is [num_seqs,
+// num_heads, head_dim] with each sequence's heads contiguous, its rows any stride apart (a view of
+// the fused qkv projection's output is read in place).
 //
 // Arithmetic: scores, softmax and the weighted sum of values in float32, whatever the cache's
 // dtype (float32, bfloat16 or float16); the output has q's dtype.
@@ -528,6 +530,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
   const Shape shape{num_heads / num_kv_heads, head_dim, k_cache.size(1), num_blocks};
   const int64_t max_blocks = block_tables.size(1);
   const T* q_ptr = q.data_ptr<T>();
+  const int64_t q_row = q.stride(0);  // elements between sequences' query rows
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -564,7 +567,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
           const int64_t kv_head = task_id % num_kv_heads;
           const int64_t first_head = kv_head * shape.group;
           const c10::BFloat16* q_src = reinterpret_cast<const c10::BFloat16*>(q_ptr) +
-                                       (seq * num_heads + first_head) * head_dim;
+                                       seq * q_row + first_head * head_dim;
           const Task task{nullptr, q_src, scale_f, tables + seq * max_blocks, lens[seq], kv_head};
           c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out_ptr) +
                                (seq * num_heads + first_head) * head_dim;
@@ -592,7 +595,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t seq = task_id / num_kv_heads;
         const int64_t kv_head = task_id % num_kv_heads;
         const int64_t first_head = kv_head * shape.group;
-        const T* q_src = q_ptr + (seq * num_heads + first_head) * head_dim;
+        const T* q_src = q_ptr + seq * q_row + first_head * head_dim;
         for (int64_t i = 0; i < shape.group * head_dim; ++i) qf[i] = as_float(q_src[i]) * scale_f;
         const Task task{qf.data(), q_src, scale_f, tables + seq * max_blocks, lens[seq], kv_head};
         scores.resize(shape.group * task.ctx);
@@ -655,8 +658,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(q.dim() == 3, "q must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "caches must be [num_kv_heads * num_blocks, block_size, head_dim]");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "q and the caches must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q's heads must be contiguous within each sequence's row");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.size(2) == q.size(2), "head_dim of q and the caches differ");
