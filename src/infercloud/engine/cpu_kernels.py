@@ -15,7 +15,9 @@ sampling's argmax), `write_kv_tiled` (kv_layout.cpp: new keys and values into ca
 tiled layout of kv_layout.h, which both attention kernels read with `tiled=True`), and the
 class `torch.classes.infercloud.DecoderStack` that runs a model's layers through them in one
 call (decoder_stack.cpp). The vector code is written once on vec_math.h and built at the
-width the CPU has: AVX-512 (16 float32 lanes) or AVX2 (8).
+width the CPU has: AVX-512 (16 float32 lanes) or AVX2 (8). Where the CPU has AMX, the bfloat16
+GEMM (`use_tiles`) and both attention kernels (`tile_unit`) run their products on the tile unit
+(amx.h: the tile configuration record and the per-process grant, `has_attention_tiles()`).
 Where no compiler is present or the build fails, `load_kernels()` returns False with the reason
 in `load_error()`, and the engine keeps these in plain torch (`attention.py`, `llama.py`).
 """

@@ -265,7 +265,7 @@ void attend_task_tiled(const Task& task, const Shape& shape, const c10::BFloat16
 #if defined(INFERCLOUD_AMX)
 // ---------------------------------------------------------------------------------------------
 // Tiled blocks on the AMX tile unit (bfloat16, head_dim = 32 * KC, a group of at most 16 query
-// heads). Where the tile unit is there, vdpbf16ps can be slow: one every other cycle on the AMX
+// heads). On a CPU with the tile unit vdpbf16ps can be slow: one every other cycle on the AMX
 // Xeon measured (benchmarks/isa_throughput.cpp), half the rate of float32 FMAs. A tiled block
 // already is the tile unit's B operand: its keys, [head_dim / 2][16 tokens][2], are KC tiles of
 // 16 dimension pairs by 16 tokens, and its values, [8 token pairs][head_dim][2], are head_dim /
@@ -376,7 +376,9 @@ void attend_task_amx(const Task& task, const Shape& shape, const c10::BFloat16* 
   const __m512 scale = _mm512_set1_ps(task.scale);
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * padded;
-    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(s + t, _mm512_mul_ps(load16(s + t), scale));
+    for (int64_t t = 0; t < padded; t += 16) {
+      _mm512_storeu_ps(s + t, _mm512_mul_ps(load16(s + t), scale));
+    }
     const __m512 inv = _mm512_set1_ps(exp_and_inv_sum(s, task.ctx));
     c10::BFloat16* pg = scratch.probs.data() + g * padded;
     for (int64_t t = 0; t < padded; t += 16) {
