@@ -6,6 +6,8 @@
 // normalised row to the dtype before multiplying by the weight, as the reference does). No
 // multiply-add contraction (ISO C++ mode: -ffp-contract=off), so float32 sums and products
 // round as torch's separate ops do; reductions (the mean of squares) may sum in another order.
+// One known departure: with AVX512-BF16 the rounding to bfloat16 flushes denormal inputs to
+// zero (vec_math.h's store16).
 //
 // Registered as torch.ops.infercloud.{rms_norm, add_rms_norm, rotary_embedding_, silu_and_mul,
 // vector_lanes};
@@ -248,7 +250,7 @@ void silu_mul_rows(const at::Tensor& gate_up, at::Tensor& out) {
       using namespace infercloud_vec;
       for (; i + kLanes <= width; i += kLanes) {
         const vf x = vload(g + i);
-        const vf silu = vmul(x, vrecip(vadd(vset1(1.0f), vexp(vsub(vzero(), x)))));
+        const vf silu = vdiv(x, vadd(vset1(1.0f), vexp(vsub(vzero(), x))));
         // rounded to T, as torch's silu hands it to the product
         vstore(o + i, vmul(vround<T>(silu), vload(u + i)));
       }

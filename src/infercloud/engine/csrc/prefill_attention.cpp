@@ -435,7 +435,6 @@ void attend_rows_amx(AmxScratch& sc, int64_t count, const Bf16* q, const int64_t
 }
 #endif  // INFERCLOUD_AMX
 
-
 #if defined(INFERCLOUD_VEC_LANES)
 // ---------------------------------------------------------------------------------------------
 // float32.

@@ -110,12 +110,6 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
-// 1 / b from the 14-bit estimate and one Newton step (within about 2 ulp; vdivps is one every
-// 10-16 cycles on the AMX Xeon, this about 3 instructions).
-inline vf vrecip(vf b) {
-  const __m512 r = _mm512_rcp14_ps(b);
-  return _mm512_mul_ps(r, _mm512_fnmadd_ps(b, r, _mm512_set1_ps(2.0f)));
-}
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
@@ -195,11 +189,6 @@ inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-// 1 / b from the 12-bit estimate and one Newton step (within a few ulp).
-inline vf vrecip(vf b) {
-  const __m256 r = _mm256_rcp_ps(b);
-  return _mm256_mul_ps(r, _mm256_fnmadd_ps(b, r, _mm256_set1_ps(2.0f)));
-}
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding
 inline float vsum(vf x) {
