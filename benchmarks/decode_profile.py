@@ -30,7 +30,7 @@ def main() -> None:
         "--no-attention-tiles",
         dest="attention_tiles",
         action="store_false",
-        help="decode attention on vdpbf16ps even where the AMX tile unit is",
+        help="both attention kernels on vdpbf16ps even where the AMX tile unit is",
     )
     parser.add_argument(
         "--torch-profiler", action="store_true", help="torch.profiler's table instead of cProfile"

@@ -303,9 +303,9 @@ def _serve_engine(args: argparse.Namespace) -> int:
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "
-        f"{'kernel' if llm.decode_kernel else 'torch'}"
-        f"{' on the tile unit' if llm.attention_tiles else ''}, prefill attention: "
-        f"{'kernel' if llm.prefill_kernel else 'torch'}, linear layers: {linear}"
+        f"{'kernel' if llm.decode_kernel else 'torch'}, prefill attention: "
+        f"{'kernel' if llm.prefill_kernel else 'torch'}"
+        f"{' (both on the tile unit)' if llm.attention_tiles else ''}, linear layers: {linear}"
         f"{', layers stacked in C++' if llm.stacked_layers else ''}"
         f"{', tiled KV blocks' if llm.kv_tiled else ''}) "
         f"on http://{args.host}:{args.port}",

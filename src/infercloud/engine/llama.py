@@ -185,8 +185,8 @@ class LlamaModel(nn.Module):
         """Run the decoder layers as one `torch.classes.infercloud.DecoderStack` call in steps
         over `kv_caches` whose attention all goes through our kernels (the caller has called
         `use_fused_ops()` and packed every projection as a `KernelLinear`); `tiled_kv`: the
-        caches are in the tiled layout of `csrc/kv_layout.h`; `attention_tiles`: decode attention
-        on the AMX tile unit (with `tiled_kv`)."""
+        caches are in the tiled layout of `csrc/kv_layout.h`; `attention_tiles`: both attention
+        kernels on the AMX tile unit (with `tiled_kv`)."""
         if not self.fused:
             raise ValueError("use_stack needs use_fused_ops first")
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]

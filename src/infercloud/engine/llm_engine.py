@@ -219,7 +219,8 @@ class LLMEngine:
             and config.attention_tiles
             and bool(torch.ops.infercloud.has_attention_tiles())
         )
-        """Whether decode attention runs on the AMX tile unit (`EngineConfig.attention_tiles`)."""
+        """Whether both attention kernels run on the AMX tile unit
+        (`EngineConfig.attention_tiles`)."""
         self.block_pool = BlockPool(num_blocks)
         self.kv_events: deque[tuple[int, CacheEvent]] = deque(maxlen=KV_EVENTS_KEPT)
         """The latest prefix-cache changes with their sequence numbers (`kv_events_since`)."""

@@ -99,7 +99,8 @@ class ModelRunner:
         argmax operator (`csrc/greedy_tokens.cpp`). `kv_tiled`: the KV cache is in the tiled
         layout of `csrc/kv_layout.h`, which only our two attention kernels read (the caller
         has checked that both are on and that the model's shapes fit); `attention_tiles`: with
-        it, decode attention runs on the AMX tile unit (the caller has checked that it can)."""
+        it, both attention kernels run on the AMX tile unit (the caller has checked that they
+        can)."""
         if device.type == "cpu":
             keep_freed_memory()
         self.config = config
