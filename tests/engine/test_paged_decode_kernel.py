@@ -101,6 +101,22 @@ def _kernel(
     return out
 
 
+def _nan_past_contexts(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tables: torch.Tensor,
+    lengths: list[int],
+    num_kv_heads: int,
+    num_blocks: int,
+) -> None:
+    """NaN in every cache slot past each sequence's context (its last block's tail), in place."""
+    for kv_head in range(num_kv_heads):
+        for seq, n in enumerate(lengths):
+            row = kv_head * num_blocks + int(tables[seq, (n - 1) // BLOCK_SIZE])
+            k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+            v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+
+
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -152,11 +168,7 @@ def test_tiled_caches_give_the_plain_result(
     plain = _kernel(q, k, v, tables, lengths, num_blocks, scale)
     torch.testing.assert_close(got.float(), plain.float(), atol=1.6e-2, rtol=1e-2)
     # NaN in every slot past each context (the last block's tail): nothing changes.
-    for kv_head in range(num_kv_heads):
-        for seq, n in enumerate(lengths):
-            row = kv_head * num_blocks + int(tables[seq, (n - 1) // BLOCK_SIZE])
-            k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
-            v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+    _nan_past_contexts(k, v, tables, lengths, num_kv_heads, num_blocks)
     assert torch.equal(_kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True), got)
 
 
@@ -194,11 +206,7 @@ def test_tile_unit_gives_the_vector_result(
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     vector = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True)
     torch.testing.assert_close(got.float(), vector.float(), atol=8e-3, rtol=8e-3)
-    for kv_head in range(num_kv_heads):
-        for seq, n in enumerate(lengths):
-            row = kv_head * num_blocks + int(tables[seq, (n - 1) // BLOCK_SIZE])
-            k[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
-            v[row, (n - 1) % BLOCK_SIZE + 1 :] = float("nan")
+    _nan_past_contexts(k, v, tables, lengths, num_kv_heads, num_blocks)
     again = _kernel(q, k, v, tables, lengths, num_blocks, scale, tiled=True, tile_unit=True)
     assert torch.equal(again, got)
 

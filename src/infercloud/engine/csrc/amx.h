@@ -3,7 +3,7 @@
 //
 // INFERCLOUD_AMX is defined where the build targets AVX512-BF16, AMX-TILE and AMX-BF16 (the
 // kernels are built with -march=native). Even then Linux hands a process the tile data state
-// only on request; `tiles_granted()` asks once per process, and a kernel without AMX support
+// only on request; `tiles_available()` asks once per process, and a kernel without AMX support
 // refuses, so every tile path checks it first.
 #pragma once
 
@@ -33,15 +33,25 @@ struct alignas(64) TileConfig {
   }
 };
 
-// Inline, so one flag per process (the kernels share one shared object).
-inline bool tiles_granted() {
+}  // namespace infercloud_amx
+#endif
+
+namespace infercloud_amx {
+
+// Whether the tile paths can run in this process: built for AMX-BF16, and Linux has granted the
+// tile data state (asked once; inline, so one answer per process: the kernels share one shared
+// object). False on other builds.
+inline bool tiles_available() {
+#if defined(INFERCLOUD_AMX)
   static const bool granted = [] {
     constexpr long kArchReqXcompPerm = 0x1023;
     constexpr long kXfeatureXtiledata = 18;
     return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
   }();
   return granted;
+#else
+  return false;
+#endif
 }
 
 }  // namespace infercloud_amx
-#endif

@@ -65,13 +65,7 @@ bool has_linear_bf16() {
 
 // Whether the tile path can run in this process: built for AMX-BF16, and Linux has granted the
 // process the tile data state (asked once; a kernel without AMX support refuses).
-bool has_linear_tiles() {
-#if defined(INFERCLOUD_AMX)
-  return infercloud_amx::tiles_granted();
-#else
-  return false;
-#endif
-}
+bool has_linear_tiles() { return infercloud_amx::tiles_available(); }
 
 at::Tensor pack_linear_bf16(const at::Tensor& weight) {
   TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");

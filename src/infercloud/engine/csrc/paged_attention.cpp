@@ -555,38 +555,13 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
 
 #if defined(INFERCLOUD_AMX)
   const bool amx = std::is_same_v<T, c10::BFloat16> && tiled && tile_unit &&
-                   shape.group <= kAmxMaxGroup && infercloud_amx::tiles_granted();
+                   shape.group <= kAmxMaxGroup && infercloud_amx::tiles_available();
 #endif
   at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
 #if defined(INFERCLOUD_AMX)
-    if (amx) {
-      // Our configuration on this thread (oneDNN's kernels load their own on the same threads).
-      _tile_loadconfig(&amx_attention_config(shape.group));
-      AmxScratch scratch;
-      for (int64_t p = begin; p < end; ++p) {
-        for (int64_t task_id = cuts[p]; task_id < cuts[p + 1]; ++task_id) {
-          const int64_t seq = task_id / num_kv_heads;
-          const int64_t kv_head = task_id % num_kv_heads;
-          const int64_t first_head = kv_head * shape.group;
-          const c10::BFloat16* q_src = reinterpret_cast<const c10::BFloat16*>(q_ptr) +
-                                       seq * q_row + first_head * head_dim;
-          const Task task{nullptr, q_src, scale_f, tables + seq * max_blocks, lens[seq], kv_head};
-          c10::BFloat16* dst = reinterpret_cast<c10::BFloat16*>(out_ptr) +
-                               (seq * num_heads + first_head) * head_dim;
-          const auto* k_bf = reinterpret_cast<const c10::BFloat16*>(k_ptr);
-          const auto* v_bf = reinterpret_cast<const c10::BFloat16*>(v_ptr);
-          if (head_dim == 32) {
-            attend_task_amx<1>(task, shape, k_bf, v_bf, scratch, dst);
-          } else if (head_dim == 64) {
-            attend_task_amx<2>(task, shape, k_bf, v_bf, scratch, dst);
-          } else {
-            attend_task_amx<4>(task, shape, k_bf, v_bf, scratch, dst);
-          }
-        }
-      }
-      _tile_release();
-      return;
-    }
+    // Our configuration on this thread (oneDNN's kernels load their own on the same threads).
+    if (amx) _tile_loadconfig(&amx_attention_config(shape.group));
+    AmxScratch amx_scratch;
 #endif
     std::vector<float> qf(shape.group * head_dim);
     std::vector<float> scores;
@@ -598,10 +573,26 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         const int64_t kv_head = task_id % num_kv_heads;
         const int64_t first_head = kv_head * shape.group;
         const T* q_src = q_ptr + seq * q_row + first_head * head_dim;
+        T* dst = out_ptr + (seq * num_heads + first_head) * head_dim;
+#if defined(INFERCLOUD_AMX)
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (amx) {  // the raw bfloat16 query is the A operand: no float32 copy
+            const Task task{nullptr, q_src, scale_f, tables + seq * max_blocks, lens[seq],
+                            kv_head};
+            if (head_dim == 32) {
+              attend_task_amx<1>(task, shape, k_ptr, v_ptr, amx_scratch, dst);
+            } else if (head_dim == 64) {
+              attend_task_amx<2>(task, shape, k_ptr, v_ptr, amx_scratch, dst);
+            } else {
+              attend_task_amx<4>(task, shape, k_ptr, v_ptr, amx_scratch, dst);
+            }
+            continue;
+          }
+        }
+#endif
         for (int64_t i = 0; i < shape.group * head_dim; ++i) qf[i] = as_float(q_src[i]) * scale_f;
         const Task task{qf.data(), q_src, scale_f, tables + seq * max_blocks, lens[seq], kv_head};
         scores.resize(shape.group * task.ctx);
-        T* dst = out_ptr + (seq * num_heads + first_head) * head_dim;
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (tiled) {  // checked by the caller: bfloat16, 16-token blocks, head_dim 32/64/128
@@ -632,6 +623,9 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::
         attend_task_generic<T>(task, shape, k_ptr, v_ptr, scores.data(), dst);
       }
     }
+#if defined(INFERCLOUD_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
@@ -645,13 +639,7 @@ bool has_tiled_decode() {
 }
 
 // Whether `tile_unit=True` runs the tiled path on the AMX tile unit here (else it is ignored).
-bool has_attention_tiles() {
-#if defined(INFERCLOUD_AMX)
-  return infercloud_amx::tiles_granted();
-#else
-  return false;
-#endif
-}
+bool has_attention_tiles() { return infercloud_amx::tiles_available(); }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,

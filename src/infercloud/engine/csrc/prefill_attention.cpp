@@ -627,7 +627,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
       });
   const float scale_f = static_cast<float>(scale);
 #if defined(INFERCLOUD_AMX)
-  if (tile_unit && infercloud_amx::tiles_granted()) {
+  if (tile_unit && infercloud_amx::tiles_available()) {
     for_each_row_block<Bf16, kAmxRows, AmxThread>(
         q.data_ptr<Bf16>(), out.data_ptr<Bf16>(), chunks, num_kv_heads, num_heads, head_dim,
         [&](AmxThread& thread, int64_t count, const Bf16* q_rows, const int64_t* positions,
