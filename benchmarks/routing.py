@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_throughput import Req, Server, one, summarize
+from engine_throughput import Req, Server, client_session, one, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 INFERCLOUD = ROOT / ".venv" / "bin" / "infercloud"
@@ -89,7 +89,7 @@ def run_policy(policy: str, args: argparse.Namespace, reqs: list[tuple[int, Req]
         ]
 
         async def go() -> dict[str, float]:
-            async with httpx.AsyncClient(timeout=600) as client:
+            async with client_session() as client:
                 t0 = time.perf_counter()
                 results = await asyncio.gather(
                     *(
