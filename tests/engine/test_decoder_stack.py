@@ -14,6 +14,7 @@ import torch
 from infercloud.engine.config import SchedulerConfig
 from infercloud.engine.cpu_kernels import load_error, load_kernels
 from infercloud.engine.llm import LLM
+from infercloud.engine.packed_linear import KernelGateUpSilu
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.models.tiny import build_tiny_llama
 
@@ -45,6 +46,8 @@ def _run(
     assert llm.engine.kv_tiled == (kv_layout == "auto")
     on_tiles = kv_layout == "auto" and bool(torch.ops.infercloud.has_attention_tiles())
     assert llm.engine.attention_tiles == on_tiles  # the stack and the loop pass it alike
+    layers = llm.engine.runner.model.layers
+    assert all(isinstance(layer.mlp.gate_up_proj, KernelGateUpSilu) for layer in layers)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 460, (n,), generator=g).tolist() for n in (5, 40, 90, 17, 64)]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
-from infercloud.engine.packed_linear import KernelLinear
+from infercloud.engine.packed_linear import KernelGateUpSilu, KernelLinear
 
 ops = torch.ops.infercloud
 pytestmark = pytest.mark.skipif(
@@ -82,3 +82,49 @@ def test_bad_input_is_refused() -> None:
         ops.linear_bf16(torch.ones(4, 16), packed, 32)
     with pytest.raises(RuntimeError, match="bfloat16"):
         ops.pack_linear_bf16(torch.ones(4, 16))
+
+
+@pytest.mark.parametrize("use_tiles", [False, True])
+@pytest.mark.parametrize(
+    ("rows", "intermediate", "in_features"),
+    [
+        (1, 1536, 576),  # SmolLM2's MLP, one decode row
+        (7, 64, 96),  # below one 8-row block
+        (32, 1536, 576),
+        (33, 32, 64),  # a full 32-row tile block and one padded row
+        (77, 48, 37),  # odd in_features: the vdpbf16ps path with a lone last k
+        (512, 1536, 576),  # a prefill step's rows
+    ],
+)
+def test_gate_up_silu_is_silu_and_mul_of_the_plain_gemm_bit_for_bit(
+    rows: int, intermediate: int, in_features: int, use_tiles: bool
+) -> None:
+    """The fused epilogue does silu_and_mul's arithmetic on what linear_bf16 would have stored,
+    and interleaving the tiles does not change any column's sum, so the bits are the same."""
+    if use_tiles and not ops.has_linear_tiles():
+        pytest.skip("no AMX tile unit")
+    w = _bf16(2 * intermediate, in_features, seed=7) * 0.05
+    x = _bf16(rows, in_features, seed=8)
+    packed = ops.pack_linear_bf16(w)
+    want = ops.silu_and_mul(ops.linear_bf16(x, packed, 2 * intermediate, use_tiles))
+    got = ops.linear_silu_bf16(x, ops.interleave_gate_up(packed), intermediate, use_tiles)
+    assert got.shape == (rows, intermediate)
+    assert torch.equal(got, want)
+    # and both are silu(gate) * up to bfloat16 precision
+    gate, up = F.linear(x.float(), w.float()).split(intermediate, dim=-1)
+    torch.testing.assert_close(got.float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+
+
+def test_gate_up_silu_module_and_bad_input() -> None:
+    w = _bf16(64, 32, seed=9)
+    fused = KernelGateUpSilu(KernelLinear(w))
+    x = _bf16(2, 5, 32, seed=10)
+    gate, up = F.linear(x.float(), w.float()).split(32, dim=-1)
+    torch.testing.assert_close(fused(x).float(), F.silu(gate) * up, rtol=2e-2, atol=2e-2)
+    packed = ops.interleave_gate_up(ops.pack_linear_bf16(w))
+    with pytest.raises(RuntimeError, match="intermediate_size"):
+        ops.linear_silu_bf16(_bf16(4, 32, seed=11), packed, 24)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ops.interleave_gate_up(ops.pack_linear_bf16(_bf16(48, 32, seed=12)))
+    with pytest.raises(ValueError, match="16-column tiles"):
+        KernelGateUpSilu(KernelLinear(_bf16(48, 32, seed=13)))

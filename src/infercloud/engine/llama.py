@@ -28,7 +28,7 @@ from torch import nn
 
 from infercloud.engine.attention import AttentionMetadata, paged_attention
 from infercloud.engine.model_config import ModelConfig
-from infercloud.engine.packed_linear import KernelLinear
+from infercloud.engine.packed_linear import KernelGateUpSilu, KernelLinear
 
 
 class RMSNorm(nn.Module):
@@ -126,10 +126,23 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.fused = False
         """SiLU(gate) * up through `torch.ops.infercloud.silu_and_mul`."""
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.gate_up_proj: nn.Module = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=False
+        )
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def fuse_gate_up_silu(self) -> bool:
+        """Where the gate and up projections are a bfloat16 `KernelLinear`, replace them by one
+        `KernelGateUpSilu` (SiLU in the GEMM's epilogue, the same bits); False elsewhere."""
+        proj = self.gate_up_proj
+        if not isinstance(proj, KernelLinear) or proj.float32 or self.intermediate_size % 16:
+            return False
+        self.gate_up_proj = KernelGateUpSilu(proj)
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.gate_up_proj, KernelGateUpSilu):
+            return self.down_proj(self.gate_up_proj(x))  # type: ignore[no-any-return]
         if self.fused:
             activated = torch.ops.infercloud.silu_and_mul(self.gate_up_proj(x))
             return self.down_proj(activated)  # type: ignore[no-any-return]
@@ -184,19 +197,28 @@ class LlamaModel(nn.Module):
     ) -> None:
         """Run the decoder layers as one `torch.classes.infercloud.DecoderStack` call in steps
         over `kv_caches` whose attention all goes through our kernels (the caller has called
-        `use_fused_ops()` and packed every projection as a `KernelLinear`); `tiled_kv`: the
+        `use_fused_ops()` after packing every projection as a `KernelLinear`, which fuses gate,
+        up and SiLU into a `KernelGateUpSilu`); `tiled_kv`: the
         caches are in the tiled layout of `csrc/kv_layout.h`; `attention_tiles`: both attention
         kernels on the AMX tile unit (with `tiled_kv`)."""
         if not self.fused:
             raise ValueError("use_stack needs use_fused_ops first")
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
-        kernels: list[list[KernelLinear]] = []
+        kernels: list[list[KernelLinear | KernelGateUpSilu]] = []
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            projections = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            kernels.append([p for p in projections if isinstance(p, KernelLinear)])
-            if len(kernels[-1]) != len(projections):
-                raise ValueError("use_stack needs every projection to be a KernelLinear")
+            qkv, o, gate_up, down = attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+            if not (
+                isinstance(qkv, KernelLinear)
+                and isinstance(o, KernelLinear)
+                and isinstance(gate_up, KernelGateUpSilu)
+                and isinstance(down, KernelLinear)
+            ):
+                raise ValueError(
+                    "use_stack needs every projection to be a KernelLinear, gate and up fused "
+                    "with SiLU (KernelGateUpSilu)"
+                )
+            kernels.append([qkv, o, gate_up, down])
         tiles = {k.use_tiles for row in kernels for k in row}
         if len(tiles) != 1:
             raise ValueError("use_stack needs the same use_tiles in every projection")
@@ -228,12 +250,15 @@ class LlamaModel(nn.Module):
         self.stack, self.stack_caches = stack, kv_caches
 
     def use_fused_ops(self) -> None:
-        """Run the element-wise parts through `torch.ops.infercloud.*` (loaded by the caller)."""
+        """Run the element-wise parts through `torch.ops.infercloud.*` (loaded by the caller);
+        where the projections are already bfloat16 `KernelLinear`s, SiLU goes into the gate and
+        up projections' GEMM (`MLP.fuse_gate_up_silu`)."""
         self.fused = True
         for layer in self.layers:
             assert isinstance(layer, DecoderLayer)
             layer.self_attn.fused = True
             layer.mlp.fused = True
+            layer.mlp.fuse_gate_up_silu()
 
     def forward(
         self,
@@ -363,5 +388,7 @@ class LlamaModel(nn.Module):
             layer.self_attn.o_proj.weight.copy_(take(attn + "o_proj.weight"))
             mlp = p + "mlp."
             gate_up = [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]
-            layer.mlp.gate_up_proj.weight.copy_(torch.cat(gate_up, dim=0))
+            gate_up_proj = layer.mlp.gate_up_proj
+            assert isinstance(gate_up_proj, nn.Linear), "weights load before packing"
+            gate_up_proj.weight.copy_(torch.cat(gate_up, dim=0))
             layer.mlp.down_proj.weight.copy_(take(mlp + "down_proj.weight"))

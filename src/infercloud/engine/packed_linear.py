@@ -109,6 +109,42 @@ class KernelLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {path}"
 
 
+class KernelGateUpSilu(nn.Module):
+    """An MLP's gate and up projections and its SiLU in one call of our GEMM
+    (`linear_silu_bf16`): x [rows, in_features] -> silu(x Wg^T) * (x Wu^T) [rows,
+    intermediate_size], the same bits as `silu_and_mul` of the `KernelLinear` it replaces. Made
+    from that layer (bfloat16, [gate; up] stacked, intermediate_size a multiple of 16): its
+    packed tiles are reordered (gate 0, up 0, gate 1, ...) so that each 32-column group of the
+    GEMM holds one gate tile and its up tile, and the [rows, 2 x intermediate_size] product is
+    never stored. Measured on the AMX Xeon (2 cores, SmolLM2-135M's 576 -> 2 x 1536): 512 rows
+    1,101 -> 851 us, 32 rows 92 -> 78 us."""
+
+    def __init__(self, gate_up: KernelLinear) -> None:
+        super().__init__()
+        if gate_up.float32 or gate_up.out_features % 32 != 0:
+            raise ValueError("KernelGateUpSilu needs a bfloat16 [gate; up] of 16-column tiles")
+        self.in_features = gate_up.in_features
+        self.intermediate_size = gate_up.out_features // 2
+        self.use_tiles = gate_up.use_tiles
+        self.packed_weight: torch.Tensor
+        packed = torch.ops.infercloud.interleave_gate_up(gate_up.packed_weight)
+        self.register_buffer("packed_weight", packed, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.ops.infercloud.linear_silu_bf16(
+            rows, self.packed_weight, self.intermediate_size, self.use_tiles
+        )
+        return out.view(*x.shape[:-1], self.intermediate_size)  # type: ignore[no-any-return]
+
+    def extra_repr(self) -> str:
+        path = "kernel, tiles" if self.use_tiles else "kernel"
+        return (
+            f"in_features={self.in_features}, intermediate_size={self.intermediate_size}, "
+            f"silu(gate) * up, {path}"
+        )
+
+
 def has_kernel_gemm(dtype: torch.dtype) -> bool:
     """Whether our GEMM runs `dtype` on this CPU: bfloat16 with AVX512-BF16, float32 with AVX2
     (and FMA) or AVX-512. The caller has loaded the kernels."""

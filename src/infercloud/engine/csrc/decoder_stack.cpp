@@ -1,7 +1,7 @@
 // A Llama-family model's decoder layers in one call from Python, for CPU steps that run every
-// part on our kernels: bfloat16 linear layers (linear_bf16.cpp), the fused element-wise ops
-// (layer_ops.cpp), decode attention (paged_attention.cpp) and prefill attention
-// (prefill_attention.cpp).
+// part on our kernels: bfloat16 linear layers (linear_bf16.cpp; gate, up and SiLU in one
+// GEMM), the fused element-wise ops (layer_ops.cpp), decode attention (paged_attention.cpp)
+// and prefill attention (prefill_attention.cpp).
 //
 // The Python layer loop (llama.py, `_layers_fused`) makes about 20 operator calls per layer, each
 // with its Python dispatch, views and a few small tensors; at 30 layers that was several
@@ -50,8 +50,9 @@ struct Ops {
                                 const at::Tensor&)>
       rotary = find_op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&)>("infercloud::rotary_embedding_");
-  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)> silu_and_mul =
-      find_op<at::Tensor(const at::Tensor&)>("infercloud::silu_and_mul");
+  c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool)>
+      linear_silu = find_op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, bool)>(
+          "infercloud::linear_silu_bf16");
   c10::TypedOperatorHandle<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                       const at::Tensor&, const at::Tensor&, double, int64_t, bool,
                                       bool)>
@@ -97,7 +98,8 @@ class DecoderStack : public torch::CustomClassHolder {
                 "DecoderStack: bad model dimensions");
   }
 
-  // Weights packed by pack_linear_bf16; k_cache and v_cache [num_kv_heads * num_blocks,
+  // Weights packed by pack_linear_bf16 (gate_up: [gate; up], its tiles then reordered by
+  // interleave_gate_up, for linear_silu_bf16); k_cache and v_cache [num_kv_heads * num_blocks,
   // block_size, head_dim], the model runner's, in the tiled layout (kv_layout.h) if the stack
   // was made with tiled_kv.
   void add_layer(at::Tensor input_norm, at::Tensor qkv, at::Tensor o, at::Tensor post_norm,
@@ -171,10 +173,9 @@ class DecoderStack : public torch::CustomClassHolder {
       }
       delta = op.linear.call(attention, layer.o, hidden_size_, use_tiles_);
       x = op.add_rms_norm.call(hidden, delta, layer.post_norm, eps_);
-      const at::Tensor gate_up = op.linear.call(x, layer.gate_up, 2 * intermediate_size_,
-                                                use_tiles_);
-      delta = op.linear.call(op.silu_and_mul.call(gate_up), layer.down, hidden_size_,
-                             use_tiles_);
+      const at::Tensor activated =
+          op.linear_silu.call(x, layer.gate_up, intermediate_size_, use_tiles_);
+      delta = op.linear.call(activated, layer.down, hidden_size_, use_tiles_);
     }
     if (delta.defined()) hidden.add_(delta);
     return hidden;

@@ -21,8 +21,16 @@
 // past the last multiple of 32 are copied into a zero-padded block first. The tile unit flushes
 // denormal inputs and results to zero; the float32 sums run in yet another order.
 //
-// Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, has_linear_bf16,
-// has_linear_tiles}; built and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16,
+// The MLP's gate and up projections with SiLU in one call (`linear_silu_bf16`): their weights,
+// gate [I, K] over up [I, K], are packed with the column tiles interleaved (gate tile 0, up
+// tile 0, gate tile 1, ...: `interleave_gate_up`), so that the two column tiles of a group are a
+// gate tile and its up tile. Each group's epilogue then writes silu(gate) * up for its 16
+// columns, with silu_and_mul's arithmetic on the bfloat16-rounded products (layer_ops.cpp), so
+// the result is the same bits as silu_and_mul(linear_bf16(x, plain packing)); the [rows, 2I]
+// product is never written, and no second pass reads it back.
+//
+// Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, interleave_gate_up,
+// linear_silu_bf16, has_linear_bf16, has_linear_tiles}; built and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16,
 // has_linear_bf16() is false and the others refuse.
 
 #include <ATen/ATen.h>
@@ -33,6 +41,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512BF16__)
@@ -91,11 +100,23 @@ at::Tensor pack_linear_bf16(const at::Tensor& weight) {
 }
 
 #if defined(__AVX512BF16__)
-// rows x [MR, K] (row stride ldx, in elements) by NR tiles of packed weights -> y [MR, NR*16].
-template <int MR, int NR>
+// out[0..15] = round(round(silu(g)) * u) with g and u first rounded to bfloat16: silu_and_mul's
+// arithmetic (layer_ops.cpp) on what linear_bf16 would have stored.
+inline void store_silu16(c10::BFloat16* out, __m512 g, __m512 u) {
+  using namespace infercloud_vec;
+  const vf gate = vround<c10::BFloat16>(g);
+  const vf silu = vdiv(gate, vadd(vset1(1.0f), vexp(vsub(vzero(), gate))));
+  store16(out, vmul(vround<c10::BFloat16>(silu), vround<c10::BFloat16>(u)));
+}
+
+// rows x [MR, K] (row stride ldx, in elements) by NR tiles of packed weights -> y [MR, NR*16];
+// with kSilu, NR is 2, the tiles are a gate tile and its up tile, and y gets [MR, 16] of
+// silu(gate) * up.
+template <int MR, int NR, bool kSilu = false>
 inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
                          const c10::BFloat16* w_tiles, int64_t tile_stride, c10::BFloat16* y,
                          int64_t ldy, int64_t valid_cols) {
+  static_assert(!kSilu || NR == 2, "a SiLU group is one gate tile and one up tile");
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -114,6 +135,10 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
       for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, w[t]);
     }
   }
+  if constexpr (kSilu) {
+    for (int m = 0; m < MR; ++m) store_silu16(y + m * ldy, acc[m][0], acc[m][1]);
+    return;
+  }
   for (int m = 0; m < MR; ++m) {
     for (int t = 0; t < NR; ++t) {
       const int64_t col = t * kTile;
@@ -128,26 +153,30 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
   }
 }
 
-template <int NR>
+template <int NR, bool kSilu = false>
 void rows_by_tiles(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
                    const c10::BFloat16* w_tiles, int64_t tile_stride, c10::BFloat16* y,
                    int64_t ldy, int64_t valid_cols) {
   int64_t r = 0;
   for (; r + kMR <= rows; r += kMR) {
-    micro_kernel<kMR, NR>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
-                          valid_cols);
+    micro_kernel<kMR, NR, kSilu>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
+                                 valid_cols);
   }
   const c10::BFloat16* xr = x + r * ldx;
   c10::BFloat16* yr = y + r * ldy;
+  auto tail = [&](auto mr) {
+    micro_kernel<decltype(mr)::value, NR, kSilu>(xr, ldx, k, w_tiles, tile_stride, yr, ldy,
+                                                 valid_cols);
+  };
   switch (rows - r) {
     case 0: break;
-    case 1: micro_kernel<1, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    case 2: micro_kernel<2, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    case 3: micro_kernel<3, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    case 4: micro_kernel<4, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    case 5: micro_kernel<5, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    case 6: micro_kernel<6, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
-    default: micro_kernel<7, NR>(xr, ldx, k, w_tiles, tile_stride, yr, ldy, valid_cols); break;
+    case 1: tail(std::integral_constant<int, 1>{}); break;
+    case 2: tail(std::integral_constant<int, 2>{}); break;
+    case 3: tail(std::integral_constant<int, 3>{}); break;
+    case 4: tail(std::integral_constant<int, 4>{}); break;
+    case 5: tail(std::integral_constant<int, 5>{}); break;
+    case 6: tail(std::integral_constant<int, 6>{}); break;
+    default: tail(std::integral_constant<int, 7>{}); break;
   }
 }
 #endif  // __AVX512BF16__
@@ -172,8 +201,9 @@ void configure_tiles() {
 }
 
 // One block of 32 rows of x (row stride ldx) by NR (1 or 2) column tiles; rows_valid and
-// cols_valid bound what is written to y.
-template <int NR>
+// cols_valid bound what is written to y. With kSilu, NR is 2 (a gate tile and its up tile) and
+// y gets 16 columns of silu(gate) * up.
+template <int NR, bool kSilu = false>
 void tile_block(const c10::BFloat16* x, int64_t ldx, int64_t k, const c10::BFloat16* w_tiles,
                 int64_t tile_stride, c10::BFloat16* y, int64_t ldy, int64_t rows_valid,
                 int64_t cols_valid) {
@@ -198,6 +228,23 @@ void tile_block(const c10::BFloat16* x, int64_t ldx, int64_t k, const c10::BFloa
     }
   }
   alignas(64) float c[kTileRows][kTile];
+  if constexpr (kSilu) {
+    static_assert(NR == 2, "a SiLU group is one gate tile and one up tile");
+    alignas(64) float u[kTileRows][kTile];
+    for (int i = 0; i < 2; ++i) {
+      if (i == 0) {
+        _tile_stored(0, c, kTile * 4);
+        _tile_stored(2, u, kTile * 4);
+      } else {
+        _tile_stored(1, c, kTile * 4);
+        _tile_stored(3, u, kTile * 4);
+      }
+      for (int64_t r = 0; r < kTileRows && i * kTileRows + r < rows_valid; ++r) {
+        store_silu16(y + (i * kTileRows + r) * ldy, _mm512_load_ps(c[r]), _mm512_load_ps(u[r]));
+      }
+    }
+    return;
+  }
   for (int j = 0; j < NR; ++j) {
     const int64_t col = j * kTile;
     if (col >= cols_valid) break;
@@ -222,9 +269,11 @@ void tile_block(const c10::BFloat16* x, int64_t ldx, int64_t k, const c10::BFloa
   }
 }
 
+// y [rows, out_features] = x W^T; with silu (the tiles are gate/up pairs) y [rows, tiles * 8]
+// = silu(gate) * up, out_features being tiles * 8.
 void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
                   const c10::BFloat16* wp, int64_t tiles, int64_t tile_stride, c10::BFloat16* yp,
-                  int64_t out_features) {
+                  int64_t out_features, bool silu) {
   // The last rows, short of a 32-row block, go through a zero-padded copy.
   const int64_t full_blocks = rows / kTileBlock, tail = rows % kTileBlock;
   std::vector<c10::BFloat16> padded;
@@ -239,7 +288,7 @@ void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
   auto one_group = [&](int64_t g) {
     const int64_t first_tile = g * 2;
     const int64_t nr = std::min<int64_t>(2, tiles - first_tile);
-    const int64_t col = first_tile * kTile;
+    const int64_t col = silu ? g * kTile : first_tile * kTile;
     const int64_t valid = std::min(nr * kTile, out_features - col);
     const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
     for (int64_t b = 0; b <= full_blocks; ++b) {
@@ -249,7 +298,9 @@ void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
       const int64_t ld = last ? k : ldx;
       const int64_t rows_valid = last ? tail : kTileBlock;
       c10::BFloat16* yb = yp + b * kTileBlock * out_features + col;
-      if (nr == 2) {
+      if (silu) {
+        tile_block<2, true>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
+      } else if (nr == 2) {
         tile_block<2>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
       } else {
         tile_block<1>(xb, ld, k, w_tiles, tile_stride, yb, out_features, rows_valid, valid);
@@ -264,19 +315,26 @@ void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
 }
 #endif  // INFERCLOUD_AMX
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
-                       bool use_tiles) {
-  TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "linear_bf16: x must be bfloat16 [rows, in_features], rows dense");
+// The shared body of linear_bf16 and linear_silu_bf16: checks, then y = x W^T, or with silu
+// (packed by interleave_gate_up) y = silu(x Wg^T) * (x Wu^T), [rows, tiles * 8].
+at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                     bool use_tiles, bool silu, const char* name) {
+  TORCH_CHECK(has_linear_bf16(), name, ": this CPU (or build) has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              ": x must be bfloat16 [rows, in_features], rows dense");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 &&
                   packed.is_contiguous() && packed.size(2) == kTile && packed.size(3) == 2,
-              "linear_bf16: packed must come from pack_linear_bf16");
+              name, ": packed must come from pack_linear_bf16");
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t tiles = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(pairs == (k + 1) / 2, "linear_bf16: in_features of x and the weight differ");
-  TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile,
-              "linear_bf16: out_features does not match the packed weight");
+  TORCH_CHECK(pairs == (k + 1) / 2, name, ": in_features of x and the weight differ");
+  if (silu) {
+    TORCH_CHECK(tiles % 2 == 0 && out_features == tiles * kTile / 2, name,
+                ": intermediate_size must be half the packed weight's rows, a multiple of 16");
+  } else {
+    TORCH_CHECK(out_features > (tiles - 1) * kTile && out_features <= tiles * kTile, name,
+                ": out_features does not match the packed weight");
+  }
   at::Tensor y = at::empty({rows, out_features}, x.options());
   if (rows == 0) return y;
 #if defined(__AVX512BF16__)
@@ -286,10 +344,19 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   const int64_t ldx = x.stride(0), tile_stride = pairs * 32;
 #if defined(INFERCLOUD_AMX)
   if (use_tiles && k % kTileK == 0 && has_linear_tiles()) {
-    linear_tiles(xp, ldx, rows, k, wp, tiles, tile_stride, yp, out_features);
+    linear_tiles(xp, ldx, rows, k, wp, tiles, tile_stride, yp, out_features, silu);
     return y;
   }
 #endif
+  if (silu) {  // groups of one gate tile and its up tile
+    at::parallel_for(0, tiles / 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        rows_by_tiles<2, true>(xp, ldx, rows, k, wp + 2 * g * tile_stride, tile_stride,
+                               yp + g * kTile, out_features, kTile);
+      }
+    });
+    return y;
+  }
   const int64_t groups = (tiles + kNR - 1) / kNR;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
@@ -311,6 +378,31 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t ou
   return y;
 }
 
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
+                       bool use_tiles) {
+  return gemm_bf16(x, packed, out_features, use_tiles, false, "linear_bf16");
+}
+
+// packed: pack_linear_bf16 of [gate; up] ([2I, K], I a multiple of 16), its column tiles
+// reordered by interleave_gate_up. Returns silu(x gate^T) * (x up^T), [rows, I].
+at::Tensor linear_silu_bf16(const at::Tensor& x, const at::Tensor& packed,
+                            int64_t intermediate_size, bool use_tiles) {
+  return gemm_bf16(x, packed, intermediate_size, use_tiles, true, "linear_silu_bf16");
+}
+
+// The packed [gate; up] weight (pack_linear_bf16, [2I/16][pairs][16][2]) with its column tiles
+// reordered gate 0, up 0, gate 1, up 1, ...: what linear_silu_bf16 reads. A copy; the tiles
+// themselves are unchanged.
+at::Tensor interleave_gate_up(const at::Tensor& packed) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(0) % 2 == 0 && packed.size(2) == kTile &&
+                  packed.size(3) == 2,
+              "interleave_gate_up: packed must be pack_linear_bf16 of [gate; up] with the "
+              "intermediate size a multiple of 16");
+  const int64_t half = packed.size(0) / 2;
+  return packed.view({2, half, packed.size(1), kTile, 2}).transpose(0, 1).contiguous().view(
+      packed.sizes());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(infercloud, m) {
@@ -318,10 +410,16 @@ TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.def("pack_linear_bf16(Tensor weight) -> Tensor");
   m.def("has_linear_tiles() -> bool", &has_linear_tiles);
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, bool use_tiles=True) -> Tensor");
+  m.def("interleave_gate_up(Tensor packed) -> Tensor");
+  m.def(
+      "linear_silu_bf16(Tensor x, Tensor packed, int intermediate_size, bool use_tiles=True) -> "
+      "Tensor");
 }
 
 TORCH_LIBRARY_IMPL(infercloud, CPU, m) {
   m.impl("pack_linear_bf16", &pack_linear_bf16);
   m.impl("linear_bf16", &linear_bf16);
+  m.impl("interleave_gate_up", &interleave_gate_up);
+  m.impl("linear_silu_bf16", &linear_silu_bf16);
 }
 
