@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from infercloud.engine.cpu_kernels import load_error, load_kernels
-from infercloud.engine.packed_linear import KernelGateUpSilu, KernelLinear
+from infercloud.engine.llama import MLP
+from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.packed_linear import KernelGateUpSilu, KernelLinear, pack_linears
 
 ops = torch.ops.infercloud
 pytestmark = pytest.mark.skipif(
@@ -128,3 +130,34 @@ def test_gate_up_silu_module_and_bad_input() -> None:
         ops.interleave_gate_up(ops.pack_linear_bf16(_bf16(48, 32, seed=12)))
     with pytest.raises(ValueError, match="16-column tiles"):
         KernelGateUpSilu(KernelLinear(_bf16(48, 32, seed=13)))
+
+
+@pytest.mark.parametrize(("intermediate", "fused"), [(32, True), (24, False)])
+def test_an_mlp_fuses_gate_up_silu_only_over_whole_tiles(intermediate: int, fused: bool) -> None:
+    """An intermediate size off the 16-column tiles keeps gate_up and silu_and_mul apart (and
+    the model runner then keeps the Python layer loop, which handles both), with the same
+    output either way."""
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=intermediate,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        eos_token_ids=(0,),
+        bos_token_id=None,
+    )
+    mlp = MLP(config).to(torch.bfloat16)
+    x = _bf16(3, 32, seed=14)
+    with torch.no_grad():
+        want = mlp(x)
+        pack_linears(mlp, kernel=True)
+        mlp.fused = True
+        assert mlp.fuse_gate_up_silu() is fused
+        assert isinstance(mlp.gate_up_proj, KernelGateUpSilu if fused else KernelLinear)
+        torch.testing.assert_close(mlp(x).float(), want.float(), rtol=2e-2, atol=2e-2)

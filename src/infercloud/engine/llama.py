@@ -249,6 +249,14 @@ class LlamaModel(nn.Module):
             )
         self.stack, self.stack_caches = stack, kv_caches
 
+    def gate_up_silu_fused(self) -> bool:
+        """Whether every MLP runs gate, up and SiLU as one `KernelGateUpSilu` (which the
+        decoder stack needs)."""
+        return all(
+            isinstance(layer, DecoderLayer) and isinstance(layer.mlp.gate_up_proj, KernelGateUpSilu)
+            for layer in self.layers
+        )
+
     def use_fused_ops(self) -> None:
         """Run the element-wise parts through `torch.ops.infercloud.*` (loaded by the caller);
         where the projections are already bfloat16 `KernelLinear`s, SiLU goes into the gate and

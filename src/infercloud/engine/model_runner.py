@@ -145,6 +145,7 @@ class ModelRunner:
             and fused_ops
             and decode_kernel
             and prefill_kernel
+            and self.model.gate_up_silu_fused()  # intermediate sizes a multiple of 16
         )
         """Whether the decoder layers run as one C++ call (`csrc/decoder_stack.cpp`: bfloat16)."""
         self.kv_tiled = kv_tiled
