@@ -198,9 +198,9 @@ class LlamaModel(nn.Module):
         """Run the decoder layers as one `torch.classes.infercloud.DecoderStack` call in steps
         over `kv_caches` whose attention all goes through our kernels (the caller has called
         `use_fused_ops()` after packing every projection as a `KernelLinear`, which fuses gate,
-        up and SiLU into a `KernelGateUpSilu`); `tiled_kv`: the
-        caches are in the tiled layout of `csrc/kv_layout.h`; `attention_tiles`: both attention
-        kernels on the AMX tile unit (with `tiled_kv`)."""
+        up and SiLU into a `KernelGateUpSilu`); `tiled_kv`: the caches are in the tiled layout
+        of `csrc/kv_layout.h`; `attention_tiles`: both attention kernels on the AMX tile unit
+        (with `tiled_kv`)."""
         if not self.fused:
             raise ValueError("use_stack needs use_fused_ops first")
         layers = [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
