@@ -135,7 +135,7 @@ class MLP(nn.Module):
         """Where the gate and up projections are a bfloat16 `KernelLinear`, replace them by one
         `KernelGateUpSilu` (SiLU in the GEMM's epilogue, the same bits); False elsewhere."""
         proj = self.gate_up_proj
-        if not isinstance(proj, KernelLinear) or proj.float32 or self.intermediate_size % 16:
+        if not KernelGateUpSilu.fits(proj):
             return False
         self.gate_up_proj = KernelGateUpSilu(proj)
         return True

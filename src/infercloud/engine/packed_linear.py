@@ -27,6 +27,7 @@ against oneDNN at engine start and keeps the faster.
 from __future__ import annotations
 
 import functools
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -119,9 +120,19 @@ class KernelGateUpSilu(nn.Module):
     never stored. Measured on the AMX Xeon (2 cores, SmolLM2-135M's 576 -> 2 x 1536): 512 rows
     1,101 -> 851 us, 32 rows 92 -> 78 us."""
 
+    @staticmethod
+    def fits(gate_up: nn.Module) -> TypeGuard[KernelLinear]:
+        """Whether `gate_up` can be fused: a bfloat16 `KernelLinear` whose gate and up halves
+        are whole 16-column tiles."""
+        return (
+            isinstance(gate_up, KernelLinear)
+            and not gate_up.float32
+            and gate_up.out_features % 32 == 0
+        )
+
     def __init__(self, gate_up: KernelLinear) -> None:
         super().__init__()
-        if gate_up.float32 or gate_up.out_features % 32 != 0:
+        if not self.fits(gate_up):
             raise ValueError("KernelGateUpSilu needs a bfloat16 [gate; up] of 16-column tiles")
         self.in_features = gate_up.in_features
         self.intermediate_size = gate_up.out_features // 2
