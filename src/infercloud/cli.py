@@ -299,7 +299,12 @@ def _serve_engine(args: argparse.Namespace) -> int:
     linear = "kernel" if llm.linear_kernel else "oneDNN"
     if llm.linear_times is not None:
         times = llm.linear_times
-        linear += f" (timed: kernel {times.kernel_s * 1e3:.1f} ms, other {times.other_s * 1e3:.1f})"
+        fma = "" if times.kernel_fma_s is None else f", on FMA {times.kernel_fma_s * 1e3:.1f}"
+        linear += (
+            f" (timed: kernel {times.kernel_s * 1e3:.1f} ms{fma}, other {times.other_s * 1e3:.1f})"
+        )
+    if llm.runner.linear_fma:
+        linear += ", float32 multiply-adds"
     print(
         f"infercloud engine: {llm.model_name} ({config.dtype}, {llm.block_pool.num_blocks} KV "
         f"blocks of {config.block_size} tokens, decode attention: "

@@ -1,9 +1,12 @@
 """Our bfloat16 GEMM (`torch.ops.infercloud.linear_bf16`) against float32 arithmetic on the same
 bfloat16 inputs: each output is the float32 sum rounded once to bfloat16, so it may differ from
 the exactly rounded value by one unit in the last place (the float32 sum runs in another
-order), never by more. Both paths: vdpbf16ps, and the AMX tile unit where this CPU has one."""
+order), never by more. Every path: vdpbf16ps, float32 multiply-adds on the weights widened in
+registers (`set_linear_bf16_fma`), and the AMX tile unit where this CPU has one."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +24,14 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(params=[False, True], ids=["vdpbf16ps", "fma"])
+def fma(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """The vector path's way to multiply, switched for the test and back after it."""
+    was = ops.set_linear_bf16_fma(request.param)
+    yield bool(request.param)
+    ops.set_linear_bf16_fma(was)
+
+
 def _bf16(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
 
@@ -30,7 +41,7 @@ def _bf16(*shape: int, seed: int) -> torch.Tensor:
     [(1, 960, 576), (7, 576, 576), (32, 3072, 576), (32, 576, 1536), (13, 50, 37), (513, 48, 64)],
 )
 def test_matches_float32_arithmetic_to_one_ulp(
-    rows: int, out_features: int, in_features: int
+    rows: int, out_features: int, in_features: int, fma: bool
 ) -> None:
     """Row counts below, at and past the 8-row blocks; odd in_features (a lone last k);
     out_features off the 16-column tiles (50) and off the 3-tile groups (48)."""
@@ -99,12 +110,14 @@ def test_bad_input_is_refused() -> None:
     ],
 )
 def test_gate_up_silu_is_silu_and_mul_of_the_plain_gemm_bit_for_bit(
-    rows: int, intermediate: int, in_features: int, use_tiles: bool
+    rows: int, intermediate: int, in_features: int, use_tiles: bool, fma: bool
 ) -> None:
     """The fused epilogue does silu_and_mul's arithmetic on what linear_bf16 would have stored,
     and interleaving the tiles does not change any column's sum, so the bits are the same."""
     if use_tiles and not ops.has_linear_tiles():
         pytest.skip("no AMX tile unit")
+    if use_tiles and fma:
+        pytest.skip("the switch is for the vector path only")
     w = _bf16(2 * intermediate, in_features, seed=7) * 0.05
     x = _bf16(rows, in_features, seed=8)
     packed = ops.pack_linear_bf16(w)

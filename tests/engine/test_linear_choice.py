@@ -54,16 +54,12 @@ def test_the_timed_weights_are_the_first_layers_projections(
     assert [w.data_ptr() for w in got[4:]] == [p.weight.data_ptr() for p in want]
 
 
-def _scripted_clock(
-    kernel_passes: list[tuple[float, float]], other_passes: list[tuple[float, float]]
-) -> Iterator[float]:
+def _scripted_clock(*paths: list[tuple[float, float]]) -> Iterator[float]:
     """Readings for passes in the order `time_linear_paths` runs them: a warm-up of each path,
-    then kernel and other alternately; a pass is a prefill sweep and a decode sweep, each
-    reading the clock at its start and end."""
+    then the paths in turn (kernel, other and, with fma, kernel on multiply-adds); a pass is a
+    prefill sweep and a decode sweep, each reading the clock at its start and end."""
     now = 0.0
-    order = [kernel_passes[0], other_passes[0]]
-    for k, o in zip(kernel_passes[1:], other_passes[1:], strict=True):
-        order += [k, o]
+    order = [passes[i] for i in range(len(paths[0])) for passes in paths]
     for sweeps in order:
         for seconds in sweeps:
             yield now
@@ -97,6 +93,41 @@ def test_the_best_timed_pass_of_each_path_decides(
     assert next(readings, None) is None  # every sweep was timed, none twice
 
 
+def _best(passes: list[tuple[float, float]]) -> float:
+    return min(prefill + 16 * decode for prefill, decode in passes[1:])
+
+
+@pytest.mark.skipif(
+    not (load_kernels() and has_kernel_gemm(torch.bfloat16)), reason="no bfloat16 GEMM of ours"
+)
+@pytest.mark.parametrize(
+    ("fma_passes", "fma_wins"),
+    [
+        ([(9, 9), (1, 0.0625), (3, 3), (3, 3)], True),  # 2.0 against vdpbf16ps' 3.0
+        ([(9, 9), (2, 0.125), (3, 3), (3, 3)], False),  # 4.0 against 3.0
+    ],
+)
+def test_ours_is_timed_on_both_ways_to_multiply_and_counts_at_the_faster(
+    fma_passes: list[tuple[float, float]], fma_wins: bool
+) -> None:
+    kernel_passes = [(9, 9), (1, 0.125), (5, 5), (5, 5)]  # best 3.0
+    other_passes = [(9, 9), (2, 0.25), (5, 5), (5, 5)]  # best 6.0
+    readings = _scripted_clock(kernel_passes, other_passes, fma_passes)
+    weights = [torch.ones(32, 16, dtype=torch.bfloat16)]
+    was = torch.ops.infercloud.set_linear_bf16_fma(False)
+    try:
+        times = time_linear_paths(
+            weights, packed_other=False, clock=lambda: next(readings), fma=True
+        )
+        assert torch.ops.infercloud.set_linear_bf16_fma(False) is False  # left as found
+    finally:
+        torch.ops.infercloud.set_linear_bf16_fma(was)
+    assert times == LinearTimes(3.0, 6.0, _best(fma_passes))
+    assert times.fma_wins is fma_wins
+    assert times.best_kernel_s == min(3.0, _best(fma_passes)) and times.kernel_wins
+    assert next(readings, None) is None
+
+
 def _linear_types(llm: LLM) -> set[type]:
     return {type(m) for m in llm.engine.runner.model.modules() if "Linear" in type(m).__name__}
 
@@ -108,6 +139,13 @@ def test_auto_times_both_paths_and_builds_the_faster(tiny_model_dir: Path, dtype
     assert times is not None and times.kernel_s > 0 and times.other_s > 0
     assert llm.engine.linear_kernel is times.kernel_wins
     assert _linear_types(llm) == {KernelLinear if times.kernel_wins else PackedLinear}
+    # bfloat16 without the tile unit: vdpbf16ps and multiply-adds timed, the faster one set
+    timed_fma = dtype == "bfloat16" and not torch.ops.infercloud.has_linear_tiles()
+    assert (times.kernel_fma_s is not None) is timed_fma
+    assert llm.engine.runner.linear_fma is (times.kernel_wins and times.fma_wins)
+    if times.kernel_wins and dtype == "bfloat16":
+        on = llm.engine.runner.linear_fma
+        assert torch.ops.infercloud.set_linear_bf16_fma(on) is on
     out = llm.generate([[5, 6, 7, 8, 9] * 8], SamplingParams(max_tokens=4, ignore_eos=True))
     assert len(out[0].token_ids) == 4
 

@@ -120,10 +120,18 @@ class ModelRunner:
             self.linear_times = time_linear_paths(
                 self.model.projection_weights(LAYERS_TIMED),
                 packed_other=packed_linear and can_pack(device, dtype),
+                # bfloat16 on the vector units: vdpbf16ps or float32 multiply-adds
+                fma=dtype == torch.bfloat16 and not torch.ops.infercloud.has_linear_tiles(),
             )
             linear_kernel = self.linear_times.kernel_wins
         self.linear_kernel = linear_kernel
         """Whether the linear layers run on our GEMM."""
+        self.linear_fma = bool(linear_kernel and self.linear_times and self.linear_times.fma_wins)
+        """Whether our bfloat16 GEMM multiplies on float32 multiply-adds (timed faster than
+        vdpbf16ps); a switch of the process (`set_linear_bf16_fma`), set by each engine that
+        runs our bfloat16 GEMM."""
+        if linear_kernel and dtype == torch.bfloat16:
+            torch.ops.infercloud.set_linear_bf16_fma(self.linear_fma)
         if linear_kernel:
             pack_linears(self.model, kernel=True)
         elif packed_linear and can_pack(device, dtype):

@@ -39,6 +39,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -70,6 +71,19 @@ bool has_linear_bf16() {
 #else
   return false;
 #endif
+}
+
+// Whether the vector path (no tile unit) multiplies on float32 multiply-adds instead of
+// vdpbf16ps: one switch for the process, set once at engine start by timing both
+// (`linear_choice.py`), read by every call after. Off by default.
+std::atomic<bool> g_fma{false};
+
+bool use_fma() { return g_fma.load(std::memory_order_relaxed); }
+
+// Sets the switch; returns its previous value.
+bool set_linear_bf16_fma(bool on) {
+  TORCH_CHECK(has_linear_bf16(), "linear_bf16: this CPU (or build) has no AVX512-BF16");
+  return g_fma.exchange(on);
 }
 
 // Whether the tile path can run in this process: built for AMX-BF16, and Linux has granted the
@@ -109,6 +123,29 @@ inline void store_silu16(c10::BFloat16* out, __m512 g, __m512 u) {
   store16(out, vmul(vround<c10::BFloat16>(silu), vround<c10::BFloat16>(u)));
 }
 
+// A block's float32 sums, rounded to bfloat16, into y [MR, up to NR * 16] (valid_cols of them);
+// with kSilu (NR 2: a gate tile and its up tile), y [MR, 16] = silu(gate) * up.
+template <int MR, int NR, bool kSilu>
+inline void store_block(__m512 (&acc)[MR][NR], c10::BFloat16* y, int64_t ldy,
+                        int64_t valid_cols) {
+  if constexpr (kSilu) {
+    for (int m = 0; m < MR; ++m) store_silu16(y + m * ldy, acc[m][0], acc[m][1]);
+    return;
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < NR; ++t) {
+      const int64_t col = t * kTile;
+      if (col + kTile <= valid_cols) {
+        infercloud_vec::store16(y + m * ldy + col, acc[m][t]);
+      } else if (col < valid_cols) {
+        alignas(64) c10::BFloat16 buf[kTile];
+        infercloud_vec::store16(buf, acc[m][t]);
+        for (int64_t j = 0; j < valid_cols - col; ++j) y[m * ldy + col + j] = buf[j];
+      }
+    }
+  }
+}
+
 // rows x [MR, K] (row stride ldx, in elements) by NR tiles of packed weights -> y [MR, NR*16];
 // with kSilu, NR is 2, the tiles are a gate tile and its up tile, and y gets [MR, 16] of
 // silu(gate) * up.
@@ -135,26 +172,48 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
       for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], a, w[t]);
     }
   }
-  if constexpr (kSilu) {
-    for (int m = 0; m < MR; ++m) store_silu16(y + m * ldy, acc[m][0], acc[m][1]);
-    return;
-  }
-  for (int m = 0; m < MR; ++m) {
-    for (int t = 0; t < NR; ++t) {
-      const int64_t col = t * kTile;
-      if (col + kTile <= valid_cols) {
-        infercloud_vec::store16(y + m * ldy + col, acc[m][t]);
-      } else if (col < valid_cols) {
-        alignas(64) c10::BFloat16 buf[kTile];
-        infercloud_vec::store16(buf, acc[m][t]);
-        for (int64_t j = 0; j < valid_cols - col; ++j) y[m * ldy + col + j] = buf[j];
-      }
-    }
-  }
+  store_block<MR, NR, kSilu>(acc, y, ldy, valid_cols);
 }
 
-template <int NR, bool kSilu = false>
-void rows_by_tiles(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
+// The same block on float32 multiply-adds, for CPUs where vdpbf16ps issues at half their rate
+// or less (an Intel Xeon without AMX: 1.1-1.3 G vdpbf16ps/s against 4.7-5.5 G vfmadd231ps/s
+// per core, so 70-82 against 151-175 GFLOP/s). x is float32 here ([MR, K rounded up to even],
+// the padding k zero; `x_for_fma`); each 64-byte weight vector gives two float32 vectors, its
+// low halves (k = 2p: shifted up 16 bits) and its high halves (k = 2p + 1: masked), which is
+// their exact value, so a product is exact and each multiply-add rounds once. The sums run
+// k = 2p then 2p + 1, where vdpbf16ps adds the pair's two products to the sum at once, so the
+// last bit of an output can differ between the two paths.
+template <int MR, int NR, bool kSilu = false>
+inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const c10::BFloat16* w_tiles,
+                         int64_t tile_stride, c10::BFloat16* y, int64_t ldy,
+                         int64_t valid_cols) {
+  static_assert(!kSilu || NR == 2, "a SiLU group is one gate tile and one up tile");
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_setzero_ps();
+  const int64_t pairs = (k + 1) / 2;
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512 lo[NR], hi[NR];
+    for (int t = 0; t < NR; ++t) {
+      const c10::BFloat16* wt = w_tiles + t * tile_stride + p * 32;
+      __builtin_prefetch(wt + kPrefetchPairs * 32, 0, 3);
+      const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(wt));
+      lo[t] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      hi[t] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int m = 0; m < MR; ++m) {
+      const __m512 a = _mm512_set1_ps(x[m * ldx + 2 * p]);
+      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_fmadd_ps(a, lo[t], acc[m][t]);
+      const __m512 b = _mm512_set1_ps(x[m * ldx + 2 * p + 1]);
+      for (int t = 0; t < NR; ++t) acc[m][t] = _mm512_fmadd_ps(b, hi[t], acc[m][t]);
+    }
+  }
+  store_block<MR, NR, kSilu>(acc, y, ldy, valid_cols);
+}
+
+template <int NR, bool kSilu = false, typename X>
+void rows_by_tiles(const X* x, int64_t ldx, int64_t rows, int64_t k,
                    const c10::BFloat16* w_tiles, int64_t tile_stride, c10::BFloat16* y,
                    int64_t ldy, int64_t valid_cols) {
   int64_t r = 0;
@@ -162,7 +221,7 @@ void rows_by_tiles(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
     micro_kernel<kMR, NR, kSilu>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
                                  valid_cols);
   }
-  const c10::BFloat16* xr = x + r * ldx;
+  const X* xr = x + r * ldx;
   c10::BFloat16* yr = y + r * ldy;
   auto tail = [&](auto mr) {
     micro_kernel<decltype(mr)::value, NR, kSilu>(xr, ldx, k, w_tiles, tile_stride, yr, ldy,
@@ -315,6 +374,65 @@ void linear_tiles(const c10::BFloat16* xp, int64_t ldx, int64_t rows, int64_t k,
 }
 #endif  // INFERCLOUD_AMX
 
+#if defined(__AVX512BF16__)
+// y [rows, out_features] = x W^T on the vector units (vdpbf16ps for bfloat16 x, float32
+// multiply-adds for float32 x); with silu (the tiles are gate/up pairs) y [rows, tiles * 8]
+// = silu(gate) * up. A thread takes whole groups of column tiles.
+template <typename X>
+void vector_gemm(const X* xp, int64_t ldx, int64_t rows, int64_t k, const c10::BFloat16* wp,
+                 int64_t tiles, int64_t tile_stride, c10::BFloat16* yp, int64_t out_features,
+                 bool silu) {
+  if (silu) {  // groups of one gate tile and its up tile
+    at::parallel_for(0, tiles / 2, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        rows_by_tiles<2, true>(xp, ldx, rows, k, wp + 2 * g * tile_stride, tile_stride,
+                               yp + g * kTile, out_features, kTile);
+      }
+    });
+    return;
+  }
+  const int64_t groups = (tiles + kNR - 1) / kNR;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t first_tile = g * kNR;
+      const int64_t nr = std::min(kNR, tiles - first_tile);
+      const int64_t col = first_tile * kTile;
+      const int64_t valid = std::min(nr * kTile, out_features - col);
+      const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
+      if (nr == 3) {
+        rows_by_tiles<3>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      } else if (nr == 2) {
+        rows_by_tiles<2>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      } else {
+        rows_by_tiles<1>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
+      }
+    }
+  });
+}
+
+// x [rows, K] bfloat16 as float32 [rows, K rounded up to even] (row stride the return value),
+// the padding column zero, in `buf`: the float32 micro kernel reads k in pairs, as the packed
+// weights hold them. `buf` is the calling thread's, kept between calls (a decode step's 32 rows
+// by 576 are 72 KB; allocating and converting through aten cost 30 us a call on average).
+int64_t x_for_fma(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
+                  std::vector<float>& buf) {
+  const int64_t ld = k + (k % 2);
+  if (static_cast<int64_t>(buf.size()) < rows * ld) buf.resize(rows * ld);
+  float* out = buf.data();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / ld), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* src = x + r * ldx;
+      float* dst = out + r * ld;
+      int64_t j = 0;
+      for (; j + 16 <= k; j += 16) _mm512_storeu_ps(dst + j, infercloud_vec::load16(src + j));
+      for (; j < k; ++j) dst[j] = static_cast<float>(src[j]);
+      if (ld != k) dst[k] = 0.0f;
+    }
+  });
+  return ld;
+}
+#endif  // __AVX512BF16__
+
 // The shared body of linear_bf16 and linear_silu_bf16: checks, then y = x W^T, or with silu
 // (packed by interleave_gate_up) y = silu(x Wg^T) * (x Wu^T), [rows, tiles * 8].
 at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_features,
@@ -348,32 +466,13 @@ at::Tensor gemm_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t out_
     return y;
   }
 #endif
-  if (silu) {  // groups of one gate tile and its up tile
-    at::parallel_for(0, tiles / 2, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t g = begin; g < end; ++g) {
-        rows_by_tiles<2, true>(xp, ldx, rows, k, wp + 2 * g * tile_stride, tile_stride,
-                               yp + g * kTile, out_features, kTile);
-      }
-    });
-    return y;
+  if (use_fma()) {
+    thread_local std::vector<float> x32;
+    const int64_t ld = x_for_fma(xp, ldx, rows, k, x32);
+    vector_gemm(x32.data(), ld, rows, k, wp, tiles, tile_stride, yp, out_features, silu);
+  } else {
+    vector_gemm(xp, ldx, rows, k, wp, tiles, tile_stride, yp, out_features, silu);
   }
-  const int64_t groups = (tiles + kNR - 1) / kNR;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first_tile = g * kNR;
-      const int64_t nr = std::min(kNR, tiles - first_tile);
-      const int64_t col = first_tile * kTile;
-      const int64_t valid = std::min(nr * kTile, out_features - col);
-      const c10::BFloat16* w_tiles = wp + first_tile * tile_stride;
-      if (nr == 3) {
-        rows_by_tiles<3>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
-      } else if (nr == 2) {
-        rows_by_tiles<2>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
-      } else {
-        rows_by_tiles<1>(xp, ldx, rows, k, w_tiles, tile_stride, yp + col, out_features, valid);
-      }
-    }
-  });
 #endif
   return y;
 }
@@ -411,6 +510,7 @@ TORCH_LIBRARY_FRAGMENT(infercloud, m) {
   m.def("has_linear_tiles() -> bool", &has_linear_tiles);
   m.def("linear_bf16(Tensor x, Tensor packed, int out_features, bool use_tiles=True) -> Tensor");
   m.def("interleave_gate_up(Tensor packed) -> Tensor");
+  m.def("set_linear_bf16_fma(bool on) -> bool", &set_linear_bf16_fma);
   m.def(
       "linear_silu_bf16(Tensor x, Tensor packed, int intermediate_size, bool use_tiles=True) -> "
       "Tensor");
