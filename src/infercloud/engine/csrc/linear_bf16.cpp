@@ -21,6 +21,12 @@
 // past the last multiple of 32 are copied into a zero-padded block first. The tile unit flushes
 // denormal inputs and results to zero; the float32 sums run in yet another order.
 //
+// Where vdpbf16ps is slow (an Intel Xeon whose VM hides AMX issues one every other cycle, a
+// quarter of the rate of float32 FMAs), the vector path can multiply on float32 FMAs instead
+// (`set_linear_bf16_fma`, a switch of the process): the same packed weights, each 64-byte
+// vector widened in registers to its k = 2p and 2p + 1 halves, and x widened to float32 once
+// per call. The engine times both ways at start and sets the faster (linear_choice.py).
+//
 // The MLP's gate and up projections with SiLU in one call (`linear_silu_bf16`): their weights,
 // gate [I, K] over up [I, K], are packed with the column tiles interleaved (gate tile 0, up
 // tile 0, gate tile 1, ...: `interleave_gate_up`), so that the two column tiles of a group are a
@@ -30,8 +36,9 @@
 // product is never written, and no second pass reads it back.
 //
 // Registered as torch.ops.infercloud.{pack_linear_bf16, linear_bf16, interleave_gate_up,
-// linear_silu_bf16, has_linear_bf16, has_linear_tiles}; built and loaded by cpu_kernels.py. Where the CPU lacks AVX512-BF16,
-// has_linear_bf16() is false and the others refuse.
+// linear_silu_bf16, has_linear_bf16, has_linear_tiles, set_linear_bf16_fma}; built and loaded
+// by cpu_kernels.py. Where the CPU lacks AVX512-BF16, has_linear_bf16() is false and the others
+// refuse.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -175,9 +182,9 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
   store_block<MR, NR, kSilu>(acc, y, ldy, valid_cols);
 }
 
-// The same block on float32 multiply-adds, for CPUs where vdpbf16ps issues at half their rate
-// or less (an Intel Xeon without AMX: 1.1-1.3 G vdpbf16ps/s against 4.7-5.5 G vfmadd231ps/s
-// per core, so 70-82 against 151-175 GFLOP/s). x is float32 here ([MR, K rounded up to even],
+// The same block on float32 multiply-adds, for CPUs where vdpbf16ps (twice a multiply-add's
+// work) issues at less than half their rate (an Intel Xeon without AMX: 1.1-1.3 G vdpbf16ps/s
+// against 4.7-5.5 G vfmadd231ps/s per core, so 70-84 against 151-175 GFLOP/s). x is float32 here ([MR, K rounded up to even],
 // the padding k zero; `x_for_fma`); each 64-byte weight vector gives two float32 vectors, its
 // low halves (k = 2p: shifted up 16 bits) and its high halves (k = 2p + 1: masked), which is
 // their exact value, so a product is exact and each multiply-add rounds once. The sums run
@@ -412,8 +419,9 @@ void vector_gemm(const X* xp, int64_t ldx, int64_t rows, int64_t k, const c10::B
 
 // x [rows, K] bfloat16 as float32 [rows, K rounded up to even] (row stride the return value),
 // the padding column zero, in `buf`: the float32 micro kernel reads k in pairs, as the packed
-// weights hold them. `buf` is the calling thread's, kept between calls (a decode step's 32 rows
-// by 576 are 72 KB; allocating and converting through aten cost 30 us a call on average).
+// weights hold them. `buf` is the calling thread's, kept between calls at the size of its
+// largest (a decode step's 32 rows by 576 are 72 KB, a 512-token step's down-projection input
+// 3 MB; allocating and converting through aten cost 30 us a call on average).
 int64_t x_for_fma(const c10::BFloat16* x, int64_t ldx, int64_t rows, int64_t k,
                   std::vector<float>& buf) {
   const int64_t ld = k + (k % 2);
