@@ -67,6 +67,12 @@ def _scripted_clock(*paths: list[tuple[float, float]]) -> Iterator[float]:
             yield now
 
 
+def _best(passes: list[tuple[float, float]]) -> float:
+    """A path's time: its best pass after the warm-up, a pass counting its decode sweep 16
+    times."""
+    return min(prefill + 16 * decode for prefill, decode in passes[1:])
+
+
 @pytest.mark.parametrize(
     ("kernel_passes", "other_passes", "kernel_wins"),
     [
@@ -84,17 +90,9 @@ def test_the_best_timed_pass_of_each_path_decides(
     readings = _scripted_clock(kernel_passes, other_passes)
     weights = [torch.ones(32, 16), torch.ones(16, 32)]  # float32: ours takes it on any vector CPU
     times = time_linear_paths(weights, packed_other=False, clock=lambda: next(readings))
-
-    def best(passes: list[tuple[float, float]]) -> float:
-        return min(prefill + 16 * decode for prefill, decode in passes[1:])
-
-    assert times == LinearTimes(best(kernel_passes), best(other_passes))
+    assert times == LinearTimes(_best(kernel_passes), _best(other_passes))
     assert times.kernel_wins is kernel_wins
     assert next(readings, None) is None  # every sweep was timed, none twice
-
-
-def _best(passes: list[tuple[float, float]]) -> float:
-    return min(prefill + 16 * decode for prefill, decode in passes[1:])
 
 
 @pytest.mark.skipif(

@@ -126,7 +126,9 @@ class ModelRunner:
             linear_kernel = self.linear_times.kernel_wins
         self.linear_kernel = linear_kernel
         """Whether the linear layers run on our GEMM."""
-        self.linear_fma = bool(linear_kernel and self.linear_times and self.linear_times.fma_wins)
+        self.linear_fma = bool(
+            linear_kernel and self.linear_times is not None and self.linear_times.fma_wins
+        )
         """Whether our bfloat16 GEMM multiplies on float32 multiply-adds (timed faster than
         vdpbf16ps); a switch of the process (`set_linear_bf16_fma`), set by each engine that
         runs our bfloat16 GEMM."""
