@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "kernel", "onednn"],
         help="linear layers through our GEMM (bfloat16 with AVX512-BF16, float32 with AVX2 or "
         "AVX-512) or oneDNN; "
-        "auto: whichever is faster on this CPU, timed at start",
+        "auto: whichever is faster on this CPU, timed at start (for ours in bfloat16 without "
+        "AMX, also vdpbf16ps against float32 multiply-adds; kernel keeps vdpbf16ps)",
     )
     engine.add_argument(
         "--no-fused-layer-ops",

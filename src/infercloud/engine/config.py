@@ -42,7 +42,8 @@ class EngineConfig:
     fails at start where it cannot run); "onednn": oneDNN, packed as `packed_linear` says;
     "auto": where ours can run, both are timed at start on the model's shapes and the faster is
     kept (`engine/linear_choice.py`; ours won on AMD EPYCs, oneDNN's AMX kernel on an Intel
-    Xeon), else oneDNN."""
+    Xeon), else oneDNN. With bfloat16 and no tile unit, "auto" also times ours on vdpbf16ps
+    against ours on float32 multiply-adds and keeps the faster; "kernel" keeps vdpbf16ps."""
     decode_attention: str = "auto"
     """How decoding requests attend: "kernel": our C++ kernel reads each request's blocks in
     place at its own length (CPU only; `cpu_kernels.py` builds it; fails at start if it cannot);
