@@ -54,3 +54,13 @@ def test_a_token_that_mentions_done_is_not_the_end() -> None:
     token = {"choices": [{"index": 0, "delta": {"content": 'print("data: [DONE]")'}}]}
     relay.feed(f"data: {json.dumps(token)}\n\n".encode())
     assert relay.saw_token and not relay.saw_done
+
+
+def test_an_answer_without_text_has_its_first_token_at_its_end() -> None:
+    """Tokens that decode to no text send no event of their own; the choice's end is then the
+    first sign of output (the usage record's time to first token), a role chunk is not."""
+    relay = UsageRelay(want_usage=True)
+    relay.feed(b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n')
+    assert not relay.saw_token
+    relay.feed(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n')
+    assert relay.saw_token

@@ -27,8 +27,11 @@ class UsageRelay:
         self.saw_data = False
         """True once an event with a JSON payload passed."""
         self.saw_token = False
-        """True once an event carried generated text (the first token is out; a role-only
-        first chunk does not count). Events are parsed for this only until it is true."""
+        """True once an event carried generated text, or a choice's end (the first token is
+        out; a role-only first chunk does not count). The end counts for an answer whose tokens
+        all decode to no text: a replica sends no event for a token without text, and the
+        usage record would otherwise have no time to first token. Events are parsed for this
+        only until it is true."""
         self.saw_done = False
         """True once the stream's last event (`data: [DONE]`, a whole event, not text that
         mentions it) passed."""
@@ -90,8 +93,10 @@ def _has_token(event: bytes) -> bool:
         if not isinstance(c, dict):
             continue
         delta = c.get("delta")
-        if c.get("text") or (
-            isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls"))
+        if (
+            c.get("text")
+            or c.get("finish_reason")
+            or (isinstance(delta, dict) and (delta.get("content") or delta.get("tool_calls")))
         ):
             return True
     return False
