@@ -40,6 +40,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,9 +180,26 @@ def tree_peak_rss_bytes(pid: int) -> int:
     return total
 
 
+def wait_port_free(port: int, timeout_s: float) -> None:
+    """Return once 127.0.0.1:`port` can be bound (a server stopped a moment ago may still hold
+    it); raise if it stays taken."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is fine
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"port {port} is taken: another server is running") from None
+        time.sleep(0.5)
+
+
 class Server:
     def __init__(self, cmd: list[str], port: int, env: dict[str, str], log: Path, timeout_s: float):
         self.url = f"http://127.0.0.1:{port}"
+        wait_port_free(port, 60.0)  # else /health could be answered by another run's server
         self.proc = subprocess.Popen(
             cmd,
             env={**os.environ, **env},
@@ -300,6 +318,8 @@ def load_transformers(model_dir: Path, dtype: str) -> Any:
 
 
 def main() -> None:
+    # SIGTERM unwinds like Ctrl-C, so that the servers (each in a session of its own) stop too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser()
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--with-vllm", action="store_true")

@@ -25,6 +25,15 @@ def test_allocate_is_all_or_nothing() -> None:
     assert pool.num_free_blocks == 1
 
 
+def test_freed_blocks_are_reused_lowest_first() -> None:
+    """In-use blocks stay packed: after a release, the next allocation fills the lowest holes,
+    not the blocks never used yet (a first-in first-out list walks the whole pool)."""
+    pool = BlockPool(8)
+    first = pool.allocate(6)
+    pool.release([first[4], first[1]])
+    assert pool.allocate(3) == [1, 4, 6]
+
+
 def test_shared_block_frees_on_last_release() -> None:
     pool = BlockPool(2)
     (block,) = pool.allocate(1)
@@ -44,7 +53,10 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int]]) -> 
     for op, n in ops:
         if op == "alloc":
             if pool.can_allocate(n):
-                held.extend(pool.allocate(n))
+                free = sorted(set(range(pool.num_blocks)) - set(held))
+                got = pool.allocate(n)
+                assert got == free[:n]  # the lowest free ids, in order
+                held.extend(got)
             else:
                 with pytest.raises(BlockPoolExhaustedError):
                     pool.allocate(n)

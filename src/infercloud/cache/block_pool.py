@@ -7,12 +7,17 @@ Invariants:
 - every block id in `range(num_blocks)` is either free (in the free list, ref count 0) or in use
   (ref count >= 1), never both: `num_free_blocks + num_used_blocks == num_blocks`;
 - `allocate` either returns exactly the blocks asked for or raises, leaving the pool unchanged;
-- a block returns to the free list only when its last reference is released.
+- a block returns to the free list only when its last reference is released;
+- `allocate` hands out the lowest free ids: blocks in use stay packed toward the start of the
+  pool, so the keys and values a step reads span as little memory as they can. On a CPU this
+  is speed: an offline anchor round (32 x (128 + 64) tokens, SmolLM2-135M in bfloat16, AMX
+  Xeon) took 2.39 s with a fresh pool and 2.73 s with the same pool's free list shuffled. A
+  first-in first-out list, as before, walks the whole pool as requests come and go.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 class BlockPoolExhaustedError(RuntimeError):
@@ -20,7 +25,7 @@ class BlockPoolExhaustedError(RuntimeError):
 
 
 class BlockPool:
-    """Free list plus reference counts over block ids `0 .. num_blocks - 1`."""
+    """Free ids (a min-heap) plus reference counts over block ids `0 .. num_blocks - 1`."""
 
     __slots__ = ("_free", "_ref_counts", "num_blocks")
 
@@ -28,7 +33,7 @@ class BlockPool:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free = list(range(num_blocks))  # sorted, so a heap already
         self._ref_counts = [0] * num_blocks
 
     @property
@@ -48,14 +53,14 @@ class BlockPool:
         return num_blocks <= len(self._free)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks, each with one reference."""
+        """Take the `num_blocks` lowest free ids, each with one reference."""
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > len(self._free):
             raise BlockPoolExhaustedError(
                 f"asked for {num_blocks} blocks, {len(self._free)} free of {self.num_blocks}"
             )
-        blocks = [self._free.popleft() for _ in range(num_blocks)]
+        blocks = [heapq.heappop(self._free) for _ in range(num_blocks)]
         for block_id in blocks:
             self._ref_counts[block_id] = 1
         return blocks
@@ -74,7 +79,7 @@ class BlockPool:
                 raise ValueError(f"block {block_id} released more often than allocated")
             self._ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.append(block_id)
+                heapq.heappush(self._free, block_id)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
