@@ -12,7 +12,9 @@ Invariants:
   pool, so the keys and values a step reads span as little memory as they can. On a CPU this
   is speed: an offline anchor round (32 x (128 + 64) tokens, SmolLM2-135M in bfloat16, AMX
   Xeon) took 2.39 s with a fresh pool and 2.73 s with the same pool's free list shuffled. A
-  first-in first-out list, as before, walks the whole pool as requests come and go.
+  first-in first-out list, as before, walks the whole pool as requests come and go. With
+  prefix caching, a full pool frees only the blocks eviction picks, so there the eviction
+  order, not this one, decides where a request's blocks lie.
 """
 
 from __future__ import annotations
