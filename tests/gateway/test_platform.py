@@ -235,12 +235,17 @@ def test_a_flood_does_not_starve_a_light_tenant(
         loaded = light_ttfts_ms(gw.base_url, light_key, 300, 0.03)
     finally:
         flood_sent = int(flood.communicate("", timeout=120)[0] or 0)
+    for _ in range(50):  # usage records are written behind the responses
+        flood_rows = records(database_url, "flood")
+        if len(flood_rows) >= flood_sent:
+            break
+        time.sleep(0.2)
     light_waits_ms = [
         float(str(r["queue_ms"]))
         for r in records(database_url, "light")
-        if float(str(r["created_at_s"])) >= loaded_from_s
+        if r["queue_ms"] is not None and float(str(r["created_at_s"])) >= loaded_from_s
     ]
-    flood_waits_ms = [float(str(r["queue_ms"])) for r in records(database_url, "flood")]
+    flood_waits_ms = [float(str(r["queue_ms"])) for r in flood_rows if r["queue_ms"] is not None]
     flood_wait_median_ms = statistics.median(flood_waits_ms)
     print(
         f"light tenant TTFT ms: unloaded median {statistics.median(unloaded):.1f} "
@@ -249,7 +254,8 @@ def test_a_flood_does_not_starve_a_light_tenant(
         f"flood requests {flood_sent}, their admission wait median {flood_wait_median_ms:.0f} ms"
     )
     assert flood_sent > 80
-    assert len(flood_waits_ms) >= flood_sent  # every flood request has its record
+    assert len(flood_rows) >= flood_sent  # every flood request has its record
+    assert len(flood_waits_ms) >= 0.9 * flood_sent  # admitted, not refused
     assert len(light_waits_ms) >= 290  # records of the loaded phase (the unloaded one is older)
     assert p99(loaded) < flood_wait_median_ms / 10
     assert p99(light_waits_ms) < flood_wait_median_ms / 10
