@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="turn the prefix cache off",
     )
     engine.add_argument(
+        "--no-pack-kv-blocks",
+        dest="pack_kv_blocks",
+        action="store_false",
+        help="with prefix caching on a CPU, take new blocks where eviction freed them instead "
+        "of the lowest ids nobody uses (which moves idle cached blocks out of the way)",
+    )
+    engine.add_argument(
         "--eviction-policy",
         default="lru",
         choices=["lru", "value"],
@@ -274,6 +281,7 @@ def _serve_engine(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         seed=args.seed,
         enable_prefix_caching=args.enable_prefix_caching,
+        pack_kv_blocks=args.pack_kv_blocks,
         eviction_policy=args.eviction_policy,
         host_cache_bytes=args.host_cache_bytes,
         host_cache_path=args.host_cache_path,

@@ -424,3 +424,97 @@ def test_value_policy_keeps_queued_demand_first_the_soonest_needed_highest() -> 
     stats.queue_head_order = 3.0
     p = ValueAwarePolicy().priorities(stats, np.arange(4), 2.0)
     assert p[0] <= 1.0 < 2.0 < p[1] < p[3] < p[2] == 3.0
+
+
+class _Memory:
+    """Stands in for the KV tensors: what each block id holds (the tokens written there)."""
+
+    def __init__(self) -> None:
+        self.held: dict[int, tuple[int, ...]] = {}
+
+    def copy(self, src: list[int], dst: list[int]) -> None:
+        assert not set(src) & set(dst)
+        data = [self.held.get(s) for s in src]
+        for d, value in zip(dst, data, strict=True):
+            if value is None:
+                self.held.pop(d, None)
+            else:
+                self.held[d] = value
+
+    def write(self, kv: KVCacheManager, rid: str, tokens: list[int]) -> None:
+        """The request computes its whole blocks into its table's blocks (hits excepted)."""
+        table = kv.block_table(rid)
+        for i in range(len(tokens) // BS):
+            self.held.setdefault(table[i], tuple(tokens[i * BS : (i + 1) * BS]))
+            if kv.prefix_cache is None or kv.prefix_cache.node_of(table[i]) is None:
+                self.held[table[i]] = tuple(tokens[i * BS : (i + 1) * BS])
+
+
+def test_packing_gives_the_lowest_unused_ids_and_moves_idle_blocks_with_their_keys() -> None:
+    kv, cache, _ = make(num_blocks=8)
+    memory = _Memory()
+    kv.use_block_copier(memory.copy)
+    a = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # two whole blocks and one token
+    run(kv, "a", a, 0.0)
+    memory.write(kv, "a", a)
+    assert kv.block_table("a") == [0, 1, 2]
+    kv.free("a")  # blocks 0 and 1 stay cached, idle; 2 is free
+    b = [50 + i for i in range(8)]
+    assert run(kv, "b", b, 1.0) == 0
+    # the lowest unused ids: 0 and 1, whose cached blocks moved to the lowest free ids
+    assert kv.block_table("b") == [0, 1]
+    hit = kv.match("", a)
+    assert [n.block_id for n in hit.device] == [2, 3]
+    assert [memory.held[n.block_id] for n in hit.device] == [(1, 2, 3, 4), (5, 6, 7, 8)]
+    cache.check_invariants()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["add", "add", "free"]),
+            st.integers(0, 5),
+            st.integers(1, 14),
+        ),
+        max_size=50,
+    )
+)
+def test_packing_keeps_every_cached_block_and_its_contents(
+    ops: list[tuple[str, int, int]],
+) -> None:
+    """The same traffic with and without packing: the same hits and the same evictions, every
+    cached block's keys where its node says, the pool's and tree's invariants. (LRU breaks
+    ties of time by block id, which a move can change; in this traffic no such tie decides.)"""
+    plain, packed = make(num_blocks=12), make(num_blocks=12)
+    memory = _Memory()
+    packed[0].use_block_copier(memory.copy)
+    open_requests: list[tuple[str, list[int]]] = []
+    for step, (op, which, length) in enumerate(ops):
+        now = float(step)
+        results = []
+        for (kv, cache, _), is_packed in ((plain, False), (packed, True)):
+            if op == "add":
+                rid = f"r{step}"
+                tokens = [which * 100 + (i % 7) for i in range(length)]
+                cached = kv.match("", tokens)
+                if is_packed:
+                    assert all(memory.held[n.block_id] == n.key for n in cached.device)
+                ok = kv.allocate_slots(rid, length, now, cached)
+                if ok:
+                    if is_packed:
+                        memory.write(kv, rid, tokens)
+                    kv.cache_blocks(rid, "", lambda a, b, t=tokens: t[a:b], length, now)
+                results.append((ok, cached.num_blocks))
+            elif open_requests:
+                kv.free(open_requests[which % len(open_requests)][0], None)
+            cache.check_invariants()
+        if op == "add":
+            assert results[0] == results[1]
+            if results[0][0]:
+                open_requests.append((f"r{step}", []))
+        elif open_requests:
+            open_requests.pop(which % len(open_requests))
+        assert [e.block_hashes for e in plain[2]] == [e.block_hashes for e in packed[2]]
+        for block, node in packed[1]._by_block.items():
+            assert memory.held.get(block) == node.key

@@ -64,6 +64,9 @@ def test_cache_survives_eviction_and_preemption(tiny_model_dir: Path) -> None:
     unique = shared_prefix_prompts(llm.engine.model_config.vocab_size)
     assert got == reference_greedy(tiny_model_dir, unique, 24) * 2
     assert llm.engine.prefix_cache is not None
+    # requests took the lowest unused ids, moving idle cached blocks (and their keys and
+    # values) out of the way, and the hits on moved blocks still gave the reference's tokens
+    assert llm.engine.prefix_cache.num_moved_blocks > 0
     llm.engine.prefix_cache.check_invariants()
     assert llm.engine.kv_cache.num_available_blocks == llm.engine.block_pool.num_blocks
 

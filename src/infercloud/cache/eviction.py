@@ -215,6 +215,21 @@ class BlockStats:
         self.key[index] = key
         self.feature_class[index] = PENDING
 
+    def move(self, src: int, dst: int) -> None:
+        """The cached block at id `src` now lives at id `dst` (`PrefixCache.claim_lowest`): its
+        history goes with it; the aggregate counts do not change."""
+        for field in (
+            self.inserted_s,
+            self.last_access_s,
+            self.num_hits,
+            self.depth,
+            self.waiting,
+            self.wanted_order,
+            self.key,
+            self.feature_class,
+        ):
+            field[dst] = field[src]
+
     def record_finish(self, blocks: list[int], request: int) -> None:
         """The request that stored `blocks` finished, and was of class `request`
         (`request_class`): each takes its `feature_class`, by how far it sits from the deepest

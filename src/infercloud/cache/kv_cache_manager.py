@@ -91,6 +91,7 @@ class KVCacheManager:
         "_hit",
         "_stored",
         "_tables",
+        "block_copier",
         "block_pool",
         "block_size",
         "prefix_cache",
@@ -114,6 +115,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.second_tier = second_tier
+        self.block_copier: Callable[[list[int], list[int]], None] | None = None
         self._tables: dict[str, list[int]] = {}
         self._cached_upto: dict[str, int] = {}
         """Blocks of each table already offered to the prefix cache."""
@@ -126,6 +128,16 @@ class KVCacheManager:
         self._demand: dict[str, Demand] = {}
         """The prefix claim of each waiting request (`note_waiting`), with a policy that reads
         demand."""
+
+    def use_block_copier(self, copier: Callable[[list[int], list[int]], None]) -> None:
+        """`copier(src, dst)` copies the keys and values of blocks `src[i]` to `dst[i]`. With
+        it and a prefix cache, a request's new blocks are the lowest ids nobody uses
+        (`PrefixCache.claim_lowest`), idle cached blocks moving out of their way; without a
+        prefix cache the pool's lowest free ids are that already."""
+        if self.prefix_cache is None:
+            return
+        self.block_copier = copier
+        self.prefix_cache.enable_claims()
 
     @property
     def num_available_blocks(self) -> int:
@@ -228,7 +240,12 @@ class KVCacheManager:
         if hit.num_blocks:
             self._cached_upto[request_id] = len(cached)
             self._hit.add(request_id)
-        new_blocks = self.block_pool.allocate(needed)
+        if cache is not None and self.block_copier is not None:
+            new_blocks, moves = cache.claim_lowest(needed)
+            if moves:
+                self.block_copier([m[0] for m in moves], [m[1] for m in moves])
+        else:
+            new_blocks = self.block_pool.allocate(needed)
         if hit.host:
             self._load(hit.host, new_blocks[: len(hit.host)])
         table.extend(new_blocks)

@@ -24,6 +24,11 @@ Invariants (tested with hypothesis):
 - a block with two references or more is in the tree (requests share blocks only through it,
   and it gives up only idle blocks), which the ledger's meter relies on;
 - `match` returns only nodes under the root of the salt asked for;
+- with claims on (`enable_claims`), `claim_lowest` hands a request the lowest ids that nobody
+  uses: a free id, or an idle cached one whose node (and history) moves to a free id first;
+  so the blocks of running requests stay packed at the start of the pool, as without a cache.
+  Which blocks stay cached is still the policy's choice alone: a move changes no node's place
+  in the tree, reference count or priority (only the block id, which LRU breaks ties by);
 - with a policy that reads demand, each cached block's `BlockStats.waiting` equals the number
   of live `add_demand` tickets that contain its prefix hash (zero otherwise), and its
   `wanted_order` the smallest of their queue orders (inf if none).
@@ -181,9 +186,14 @@ class PrefixCache:
         """With a static policy: (priority, block, version) of candidates as they became
         candidates, a heap; entries whose block left the candidates since are skipped."""
         self._version = [0] * pool.num_blocks
+        self._claimable: list[int] | None = None
+        """With claims on: a min-heap of ids that may be free or idle cached (checked when
+        popped; an id can appear more than once), from which `claim_lowest` takes."""
         self.stats = BlockStats.empty(pool.num_blocks)
         self.num_idle = 0
         self.num_evicted_blocks = 0
+        self.num_moved_blocks = 0
+        """Idle cached blocks moved to another id by `claim_lowest`."""
         self.reads_waiting = bool(getattr(policy, "reads_waiting", False))
         """Whether the policy ranks by `BlockStats.waiting`: only then is demand counted."""
         self._demand: dict[int, list[float]] = {}
@@ -337,6 +347,80 @@ class PrefixCache:
                 if not node.children:
                     new.append(block)
         self._add_candidates(new)
+        if self._claimable is not None:
+            self._offer_claimable(block_ids)
+
+    # -- placement: the lowest unused ids for running requests ---------------------------------
+
+    def enable_claims(self) -> None:
+        """Turn on `claim_lowest` (the engine does, on a CPU, where it also copies the blocks)."""
+        pool = self.pool
+        self._claimable = [b for b in range(pool.num_blocks) if self._is_claimable(b)]
+
+    def _is_claimable(self, block: int) -> bool:
+        ref = self.pool.ref_count(block)
+        return ref == 0 or (ref == 1 and block in self._by_block)
+
+    def _offer_claimable(self, block_ids: Iterable[int]) -> None:
+        heap = self._claimable
+        assert heap is not None
+        for block in block_ids:
+            if self._is_claimable(block):
+                heapq.heappush(heap, block)
+        if len(heap) > 2 * self.pool.num_blocks + 1024:
+            self.enable_claims()  # drop the stale entries
+
+    def claim_lowest(self, num_blocks: int) -> tuple[list[int], list[tuple[int, int]]]:
+        """Take `num_blocks` blocks for a request (one reference each): the lowest ids that are
+        free or hold an idle cached block. Each idle cached block taken moves first to the
+        lowest free id; the moves, (from, to), are returned, and the caller copies those
+        blocks' keys and values before anything writes them. No destination is also a source.
+
+        Needs `num_blocks` free blocks (evict first); claims must be on (`enable_claims`).
+        Blocks of running requests so stay packed toward the start of the pool, as they do
+        without a cache, instead of spreading wherever eviction freed a block: on a CPU, decode
+        attention reads blocks that lie next to each other faster (an anchor round with
+        shuffled blocks took 14% longer on an AMX Xeon, 5-8% on a Zen 4 EPYC).
+        """
+        heap = self._claimable
+        assert heap is not None, "claims are off"
+        pool = self.pool
+        if num_blocks > pool.num_free_blocks:
+            pool.allocate(num_blocks)  # raises BlockPoolExhaustedError, changing nothing
+        taken: list[int] = []
+        moves: list[tuple[int, int]] = []
+        moved_to: set[int] = set()
+        for _ in range(num_blocks):
+            free = pool.lowest_free()
+            assert free is not None
+            while (
+                heap and heap[0] < free and (heap[0] in moved_to or not self._is_claimable(heap[0]))
+            ):
+                heapq.heappop(heap)  # stale (in use now), or moved to in this claim
+            if not heap or heap[0] >= free:
+                taken.extend(pool.allocate(1))  # the lowest unused id is free
+                continue
+            block = heapq.heappop(heap)  # an idle cached block below every free id
+            (dst,) = pool.allocate(1)
+            self._move(block, dst)
+            moves.append((block, dst))
+            moved_to.add(dst)
+            taken.append(block)  # its one reference, the tree's until now, is the request's
+        if moves:
+            self.num_moved_blocks += len(moves)
+            self._offer_claimable([dst for _, dst in moves])  # after: no chained moves
+        return taken, moves
+
+    def _move(self, src: int, dst: int) -> None:
+        """The idle cached block at `src` now lives at the free (just allocated) id `dst`."""
+        node = self._by_block.pop(src)
+        node.block_id = dst
+        self._by_block[dst] = node
+        self.stats.move(src, dst)
+        self._version[src] += 1  # rankings of `src` are dead
+        if src in self._candidates:
+            self._candidates.discard(src)
+            self._add_candidates([dst])
 
     def _add_candidates(self, blocks: list[int]) -> None:
         if not blocks:
@@ -411,6 +495,8 @@ class PrefixCache:
             if child.block_id != block_ids[i]:
                 self.acquire([child], now_s)
                 self.pool.release([block_ids[i]])
+                if self._claimable is not None:
+                    self._offer_claimable([block_ids[i]])
                 swaps.append((i, child.block_id))
             node = child
             i += 1

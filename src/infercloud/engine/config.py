@@ -25,6 +25,10 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     enable_prefix_caching: bool = True
+    pack_kv_blocks: bool = True
+    """With prefix caching on a CPU: give running requests the lowest block ids nobody uses,
+    moving idle cached blocks out of the way (`PrefixCache.claim_lowest`), so that the blocks
+    a step reads lie together instead of wherever eviction freed them."""
     eviction_policy: str = "lru"
     """Which idle cached blocks go first when the pool is full: "lru" or "value"."""
     host_cache_bytes: int = 0

@@ -127,6 +127,8 @@ class EngineStats:
     prefix_cache_hits_tokens: int = 0
     prefix_cache_blocks: int = 0
     prefix_cache_evicted_blocks: int = 0
+    kv_blocks_moved: int = 0
+    """Idle cached blocks moved to another id to keep running requests' blocks packed."""
     host_cache_enabled: bool = False
     host_cache_queries_tokens: int = 0
     host_cache_hits_tokens: int = 0
@@ -268,6 +270,8 @@ class LLMEngine:
         """Whether the decoder layers run as one C++ call (`EngineConfig.stacked_layers`)."""
         self.second_tier = self._second_tier(config, num_blocks)
         self.kv_cache.second_tier = self.second_tier
+        if config.pack_kv_blocks and self.runner.kv_cache.device.type == "cpu":
+            self.kv_cache.use_block_copier(self.runner.copy_blocks)
         self._tracked: dict[str, _Tracked] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
@@ -399,6 +403,9 @@ class LLMEngine:
             prefix_cache_blocks=len(self.prefix_cache) if self.prefix_cache is not None else 0,
             prefix_cache_evicted_blocks=(
                 self.prefix_cache.num_evicted_blocks if self.prefix_cache is not None else 0
+            ),
+            kv_blocks_moved=(
+                self.prefix_cache.num_moved_blocks if self.prefix_cache is not None else 0
             ),
             **self._host_stats(),
         )

@@ -173,6 +173,18 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._default_generator = torch.Generator().manual_seed(seed)
 
+    @torch.inference_mode()
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of blocks `src[i]` to `dst[i]`, every layer (the blocks'
+        layout inside, tiled or not, goes along as it is). No id may be in both lists."""
+        layers, two, rows, block_size, head_dim = self.kv_cache.shape
+        pool = self.kv_cache.view(
+            layers, two, rows // self.num_blocks, self.num_blocks, block_size, head_dim
+        )
+        device = self.kv_cache.device
+        to = torch.tensor(dst, dtype=torch.long, device=device)
+        pool.index_copy_(3, to, pool.index_select(3, torch.tensor(src, device=device)))
+
     def forget(self, request_id: str) -> None:
         """Drop per-request state (its generator) once the request is finished."""
         self._generators.pop(request_id, None)

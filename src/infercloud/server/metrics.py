@@ -60,6 +60,12 @@ class _StatsCollector(Collector):
             ("num_preemptions", "Preemptions by recompute.", s.num_preemptions),
             ("prompt_tokens", "Prompt tokens admitted.", s.num_prompt_tokens_total),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens_total),
+            (
+                "kv_blocks_moved",
+                "Idle cached KV blocks moved to another id so that running requests' blocks "
+                "stay packed.",
+                s.kv_blocks_moved,
+            ),
         ):
             c = CounterMetricFamily(f"infercloud:{name}", doc, labels=labels)
             c.add_metric([self._model], value)
