@@ -171,6 +171,7 @@ def test_metrics_use_vllm_names(tiny_server: EngineServer) -> None:
         "infercloud:num_preemptions_total",
         "infercloud:prompt_tokens_total",
         "infercloud:generation_tokens_total",
+        "infercloud:kv_blocks_moved_total",
     ):
         assert name in text, name
 
