@@ -143,3 +143,20 @@ def test_real_model_warm_equals_cold(real_model_dir: Path) -> None:
     warm = llm.generate(prompts, params)
     assert [o.token_ids for o in warm] == cold
     assert all(o.num_cached_tokens >= 48 for o in warm)
+
+
+def test_copy_blocks_moves_every_layer_and_head_of_a_block(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=96 << 10)
+    runner = llm.engine.runner
+    kv = runner.kv_cache
+    kv.copy_(torch.randn(kv.shape, dtype=kv.dtype))
+    before = kv.clone()
+    layers, two, rows, bs, hd = kv.shape
+    heads = rows // runner.num_blocks
+    view = before.view(layers, two, heads, runner.num_blocks, bs, hd)
+    runner.copy_blocks([0, 3], [5, 1])
+    after = kv.view(layers, two, heads, runner.num_blocks, bs, hd)
+    assert torch.equal(after[:, :, :, 5], view[:, :, :, 0])
+    assert torch.equal(after[:, :, :, 1], view[:, :, :, 3])
+    untouched = [b for b in range(runner.num_blocks) if b not in (1, 5)]
+    assert torch.equal(after[:, :, :, untouched], view[:, :, :, untouched])
