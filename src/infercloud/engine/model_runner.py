@@ -148,6 +148,10 @@ class ModelRunner:
         # uninitialized memory may hold NaN, which would survive that product.
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        self._kv_by_block = self.kv_cache.view(
+            config.num_layers, 2, config.num_kv_heads, num_blocks, block_size, config.head_dim
+        )
+        """The pool with a dimension per block (3), for `copy_blocks`."""
         self.stacked_layers = (
             stacked_layers
             and dtype == torch.bfloat16
@@ -177,11 +181,8 @@ class ModelRunner:
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy the keys and values of blocks `src[i]` to `dst[i]`, every layer (the blocks'
         layout inside, tiled or not, goes along as it is). No id may be in both lists."""
-        layers, two, rows, block_size, head_dim = self.kv_cache.shape
-        pool = self.kv_cache.view(
-            layers, two, rows // self.num_blocks, self.num_blocks, block_size, head_dim
-        )
-        device = self.kv_cache.device
+        pool = self._kv_by_block
+        device = pool.device
         to = torch.tensor(dst, dtype=torch.long, device=device)
         pool.index_copy_(3, to, pool.index_select(3, torch.tensor(src, device=device)))
 
