@@ -192,3 +192,34 @@ def test_usage_records_are_written_once(store_url: str) -> None:
         assert store.spend_usd(0.0, key_id="k1") == pytest.approx(1.5)
     finally:
         store.close()
+
+
+def test_a_large_batch_of_usage_records_round_trips_every_field(store_url: str) -> None:
+    """More records than one SQLite statement holds, each field set, one id repeated: every
+    record reads back equal to what was written, and the repeat is stored once."""
+    store = Store(store_url)
+    try:
+        store.migrate()
+        records = [
+            replace(
+                usage(f"r{i:04d}", tenant=f"t{i % 3}", cost=i / 7, at=1000.0 + i),
+                error="boom" if i % 5 == 0 else None,
+                stream=i % 2 == 0,
+                ttft_ms=None if i % 4 == 0 else i / 3,
+                attempts=1 + i % 2,
+                failed_replicas="m/1" if i % 2 else None,
+                task_id=f"task{i % 11}",
+                config="c",
+                compute_s=i / 100,
+                recompute_s=0.0,
+                recomputed_tokens=i % 13,
+                kv_byte_s=float(i),
+                failed_attempt_s="0.250000" if i % 2 else None,
+            )
+            for i in range(601)
+        ]
+        store.add_usage([*records, records[300]])
+        store.add_usage(records[:10])  # all stored already: nothing changes
+        assert store.usage() == records
+    finally:
+        store.close()

@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sqlite3
 import threading
 import time
@@ -368,9 +369,13 @@ class Store:
 
     def add_usage(self, records: Iterable[UsageRecord]) -> None:
         """Insert records; one whose request id is already stored is skipped (idempotent)."""
-        rows = list({r.request_id: asdict(r) for r in records}.values())
-        if not rows:
+        unique = list({r.request_id: r for r in records}.values())
+        if not unique:
             return
+        if self.engine.dialect.name == "sqlite":
+            self._add_usage_sqlite(unique)
+            return
+        rows = [_usage_row(r) for r in unique]
         if self.engine.dialect.name == "postgresql":
             statement: Any = pg_insert(usage_records)
         else:
@@ -378,6 +383,18 @@ class Store:
         statement = statement.on_conflict_do_nothing(index_elements=["request_id"])
         with self.engine.begin() as conn:
             conn.execute(statement, rows)
+
+    def _add_usage_sqlite(self, records: list[UsageRecord]) -> None:
+        """SQLite: many rows per INSERT statement. One statement per row (`executemany`) lets
+        go of the GIL and takes it back around every row's step; the writer thread then trades
+        the GIL with the event loop twice a row, which cost the gateway about a third of its
+        CPU per request under load."""
+        per_statement = _SQLITE_ROWS_PER_INSERT
+        with self.engine.begin() as conn:
+            for start in range(0, len(records), per_statement):
+                chunk = records[start : start + per_statement]
+                params = tuple([getattr(r, f) for r in chunk for f in _USAGE_FIELDS])
+                conn.exec_driver_sql(_sqlite_usage_insert(len(chunk)), params)
 
     def usage(
         self,
@@ -571,6 +588,27 @@ class PostgresKeyReader:
 
 
 _KEY_BY_ID_PG = f"SELECT {_KEY_COLUMNS} FROM {api_keys.name} WHERE key_id = %s"
+
+
+_USAGE_FIELDS = tuple(f.name for f in dataclasses.fields(UsageRecord))
+_SQLITE_ROWS_PER_INSERT = 256
+"""28 columns a row: 7,168 parameters a statement, under SQLite's limit (32,766 since 3.32)."""
+
+
+def _usage_row(record: UsageRecord) -> dict[str, Any]:
+    """A record as a row (shallow: `asdict` copies recursively, several times slower)."""
+    return {f: getattr(record, f) for f in _USAGE_FIELDS}
+
+
+@functools.lru_cache(maxsize=16)
+def _sqlite_usage_insert(num_rows: int) -> str:
+    """An insert-if-absent of `num_rows` usage records in one statement."""
+    one = "(" + ", ".join("?" * len(_USAGE_FIELDS)) + ")"
+    return (
+        f"INSERT INTO usage_records ({', '.join(_USAGE_FIELDS)}) VALUES "
+        + ", ".join([one] * num_rows)
+        + " ON CONFLICT (request_id) DO NOTHING"
+    )
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
