@@ -52,6 +52,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from infercloud.gateway import keys as keyring
 from infercloud.gateway.admission import CLASSES, AdmissionQueue, Ticket
 from infercloud.gateway.config import DeploymentConfig, ModelDeployment, TenantLimits
+from infercloud.gateway.hot_path import GatewayApp, HotPath, new_request_id
 from infercloud.gateway.limits import Decision, Limits
 from infercloud.gateway.protocol import (
     INT32_MAX,
@@ -1145,7 +1146,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = f"req-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
         header = (b"x-request-id", request_id.encode())
 
@@ -1157,14 +1158,14 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def create_gateway_app(gateway: Gateway) -> FastAPI:
+def create_gateway_app(gateway: Gateway) -> GatewayApp:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
         yield
         await gateway.close()
 
-    app = FastAPI(title="infercloud gateway", version="0.1", lifespan=lifespan)
+    app = GatewayApp(title="infercloud gateway", version="0.1", lifespan=lifespan)
 
     async def too_large(scope: Scope, status: int, message: str) -> None:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
@@ -1213,6 +1214,9 @@ def create_gateway_app(gateway: Gateway) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await gateway.handle(raw, body, "completions")
+
+    # the routes above are the schema and the long way; most requests take the hot path
+    app.hot_path = HotPath(gateway, app, gateway.config.gateway.max_body_bytes)
 
     @app.get("/v1/usage")
     async def own_usage(

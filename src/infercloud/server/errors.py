@@ -36,6 +36,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.headers: dict[str, str] = {}
+        """Extra response headers (the gateway's refusals: Retry-After, x-ratelimit-*)."""
 
 
 def error_body(status: int, message: str, param: str | None, code: str | None) -> dict[str, object]:

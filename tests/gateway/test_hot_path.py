@@ -1,0 +1,122 @@
+"""The hot path in front of the gateway's FastAPI app: which requests it takes, which it hands to
+the full app (with the body replayed), and how it answers errors.
+
+The gateway here is a double that records what reaches it: these tests are about the dispatch
+in front of `Gateway.handle`; the real gateway behind the hot path is driven end to end in
+test_gateway_api.py and test_platform.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from infercloud.gateway.hot_path import GatewayApp, HotPath, is_json
+from infercloud.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from infercloud.server.errors import APIError, install_error_handlers
+
+BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
+
+
+class GatewayDouble:
+    def __init__(self, raises: BaseException | None = None) -> None:
+        self.raises = raises
+        self.seen: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def handle(
+        self, raw: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
+    ) -> Response:
+        self.seen.append((raw.state.request_id, endpoint, body.forwarded()))
+        if self.raises is not None:
+            raise self.raises
+        return JSONResponse({"ok": endpoint})
+
+
+def make_app(gateway: GatewayDouble, max_body_bytes: int = 1000) -> tuple[GatewayApp, list[str]]:
+    app = GatewayApp()
+    install_error_handlers(app)
+    full: list[str] = []
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        full.append(json.dumps(body.forwarded()))
+        return JSONResponse({"ok": "full"})
+
+    app.hot_path = HotPath(gateway, app, max_body_bytes)  # type: ignore[arg-type]
+    return app, full
+
+
+def post(app: GatewayApp, content: bytes, content_type: str | None) -> httpx.Response:
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
+            headers = {"content-type": content_type} if content_type else {}
+            return await client.post("/v1/completions", content=content, headers=headers)
+
+    return asyncio.run(go())
+
+
+def test_json_bodies_take_the_hot_path_with_a_request_id() -> None:
+    gateway = GatewayDouble()
+    app, full = make_app(gateway)
+    for content_type in ("application/json", "Application/JSON; charset=utf-8", None):
+        r = post(app, json.dumps(BODY).encode(), content_type)
+        assert r.status_code == 200 and r.json() == {"ok": "completions"}
+        assert r.headers["x-request-id"] == gateway.seen[-1][0]
+        assert r.headers["x-request-id"].startswith("req-")
+    assert full == []
+    assert [s[2] for s in gateway.seen] == [BODY] * 3
+    assert len({s[0] for s in gateway.seen}) == 3
+
+
+def test_what_the_hot_path_would_answer_differently_goes_to_the_full_app() -> None:
+    gateway = GatewayDouble()
+    app, full = make_app(gateway, max_body_bytes=200)
+    body = json.dumps(BODY).encode()
+    # another JSON media type: FastAPI parses it, the hot path does not try
+    r = post(app, body, "application/vnd.api+json")
+    assert r.status_code == 200 and r.json() == {"ok": "full"}
+    assert json.loads(full[-1]) == BODY  # the body reached the full app whole
+    # not JSON at all, invalid JSON, a body that fails validation: the full app's 400s
+    for content, content_type in (
+        (body, "text/plain"),
+        (b"{not json", "application/json"),
+        (json.dumps({**BODY, "max_tokens": "lots"}).encode(), "application/json"),
+    ):
+        r = post(app, content, content_type)
+        assert r.status_code == 400 and set(r.json()["error"]) == {
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+    assert post(app, b"{not json", "application/json").json()["error"]["code"] == "invalid_json"
+    # a declared body over the limit: the full app's (here: FastAPI reads it; the gateway's
+    # own middleware answers 413 there)
+    r = post(app, json.dumps({**BODY, "prompt": "x" * 300}).encode(), "application/json")
+    assert r.json() == {"ok": "full"}
+    assert gateway.seen == []
+
+
+def test_errors_on_the_hot_path_are_openai_bodies_with_their_headers() -> None:
+    refusal = APIError(429, "slow down", code="rate_limit_exceeded")
+    refusal.headers = {"retry-after": "7"}
+    app, _ = make_app(GatewayDouble(raises=refusal))
+    r = post(app, json.dumps(BODY).encode(), "application/json")
+    assert r.status_code == 429 and r.headers["retry-after"] == "7"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    assert r.headers["x-request-id"].startswith("req-")
+
+    app, _ = make_app(GatewayDouble(raises=RuntimeError("bug")))
+    r = post(app, json.dumps(BODY).encode(), "application/json")
+    assert r.status_code == 500 and r.json()["error"]["type"] == "internal_server_error"
+    assert r.headers["x-request-id"].startswith("req-")
+
+
+def test_is_json() -> None:
+    assert is_json(None) and is_json(b"application/json") and is_json(b" application/json ;x=1")
+    assert not is_json(b"text/plain") and not is_json(b"application/jsonx")
