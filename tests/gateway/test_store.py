@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from infercloud.gateway import keys as keyring
-from infercloud.gateway.store import MIGRATIONS, KeyRecord, Store, UsageRecord
+from infercloud.gateway.store import MIGRATIONS, KeyRecord, Store, UsageRecord, api_keys
 from tests.gateway.conftest import postgres_schema
 
 
@@ -133,6 +133,34 @@ def test_keys_are_stored_hashed_and_revocable(store_url: str) -> None:
         assert sorted(k.key_id for k in store.list_keys("acme")) == sorted([key_id, "other"])
     finally:
         store.close()
+
+
+def test_sqlite_key_lookups_see_every_commit_of_any_connection(tmp_path: Path) -> None:
+    """SQLite lookups keep the keys they read until the database changes: a revocation or a
+    changed limit committed by another process (another Store: its own connections) or by
+    this store's own writes is seen on the very next lookup; an unknown id stays unknown
+    until it is added."""
+    url = f"sqlite:///{tmp_path / 'db' / 'infercloud.db'}"
+    store, other = Store(url), Store(url)
+    try:
+        store.migrate()
+        _, key_id, sha = keyring.new_key()
+        record = KeyRecord(key_id, "acme", sha, 50, None, None, "interactive", None, 1.0, None)
+        assert store.get_key(key_id) is None
+        other.add_key(record)
+        assert store.get_key(key_id) == record
+        assert store.get_key(key_id) == record  # cached, unchanged
+        assert other.revoke_key(key_id, 5.0)
+        assert store.get_key(key_id) == replace(record, revoked_at_s=5.0)
+        with other.engine.begin() as conn:
+            conn.execute(api_keys.update().values(rpm=7, revoked_at_s=None))
+        assert store.get_key(key_id) == replace(record, rpm=7)
+        store.add_usage([usage("u1")])  # its own writes change the version too
+        assert store.revoke_key(key_id, 6.0)
+        assert store.get_key(key_id) == replace(record, rpm=7, revoked_at_s=6.0)
+    finally:
+        store.close()
+        other.close()
 
 
 def test_the_event_loop_key_reader_sees_revocations_and_survives_a_lost_connection() -> None:

@@ -289,6 +289,9 @@ class Store:
             sa.event.listen(self.engine, "connect", _sqlite_pragmas)
         self._key_conn: sqlite3.Connection | None = None
         self._key_lock = threading.Lock()
+        self._key_cache: dict[str, KeyRecord] = {}
+        """SQLite: keys read since the database last changed (`get_key`)."""
+        self._key_cache_version: int | None = None
 
     def async_key_reader(self) -> PostgresKeyReader | None:
         """A reader of keys for the event loop, where the database is PostgreSQL (SQLite's
@@ -342,8 +345,24 @@ class Store:
                     self._key_conn = sqlite3.connect(
                         self._key_path, check_same_thread=False, isolation_level=None, timeout=30
                     )
-                found = self._key_conn.execute(_KEY_BY_ID, (key_id,)).fetchone()
-            return KeyRecord(*found) if found else None
+                reader = self._key_conn
+                # Any commit by another connection (a revocation by `infercloud keys revoke`
+                # in another process, the usage writer's batches) changes data_version, and
+                # then the cached keys go: a lookup never returns what a commit replaced.
+                (version,) = reader.execute("PRAGMA data_version").fetchone()
+                if version != self._key_cache_version:
+                    self._key_cache.clear()
+                    self._key_cache_version = version
+                record = self._key_cache.get(key_id)
+                if record is not None:
+                    return record
+                found = reader.execute(_KEY_BY_ID, (key_id,)).fetchone()
+                if found is None:
+                    return None  # unknown ids are not cached: anyone can send any number
+                record = KeyRecord(*found)
+                if len(self._key_cache) < _KEY_CACHE_MAX:
+                    self._key_cache[key_id] = record
+            return record
         with self.engine.connect() as conn:
             row = conn.execute(sa.select(api_keys).where(api_keys.c.key_id == key_id)).first()
         return KeyRecord(**row._mapping) if row else None
@@ -535,6 +554,7 @@ class Store:
         self.engine.dispose()
 
 
+_KEY_CACHE_MAX = 4096
 _KEY_COLUMNS = ", ".join(f.name for f in dataclasses.fields(KeyRecord))
 _KEY_BY_ID = f"SELECT {_KEY_COLUMNS} FROM {api_keys.name} WHERE key_id = ?"
 """The one statement of a per-request key lookup on SQLite (columns in `KeyRecord`'s order)."""
