@@ -8,7 +8,7 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from infercloud.gateway.sse import UsageRelay
+from infercloud.gateway.sse import UsageRelay, _has_token
 
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
@@ -64,3 +64,76 @@ def test_an_answer_without_text_has_its_first_token_at_its_end() -> None:
     assert not relay.saw_token
     relay.feed(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]}\n\n')
     assert relay.saw_token
+
+
+class SplittingRelay(UsageRelay):
+    """The relay as it was first written: every block split into all its events, each event
+    that mentions usage parsed. The relay now finds those events without splitting the rest;
+    it must relay exactly the same bytes and read the same usage (streams without stray blank
+    lines: given one after an event that it parsed, this version dropped it)."""
+
+    def feed(self, block: bytes) -> bytes:
+        data = self._buffer + block if self._buffer else block
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._buffer = data
+            return b""
+        complete, self._buffer = data[: cut + 2], data[cut + 2 :]
+        events = complete[:-2].split(b"\n\n")
+        if not self.saw_data and b"data: {" in complete:
+            self.saw_data = True
+        if self.saw_data and not self.saw_token:
+            self.saw_token = any(_has_token(e) for e in events)
+        if b"[DONE]" in complete and not self.saw_done:
+            self.saw_done = any(e.strip() == b"data: [DONE]" for e in events)
+        if b'"usage"' not in complete:
+            return complete
+        return b"".join(self._event(e) for e in events)
+
+
+EVENTS = [
+    b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "delta": {"content": "the \\"usage\\" key"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "delta": {"content": "data: [DONE]"}}]}\n\n',
+    b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}], '
+    b'"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}\n\n',
+    b'data: {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2, '
+    b'"total_tokens": 5}}\n\n',
+    b'data: {"choices": [], "usage": null}\n\n',
+    b'data: {"usage": not json}\n\n',
+    b": ping\n\n",
+    b"data: [DONE]\n\n",
+    b"  data: [DONE] \n\n",
+]
+
+
+@given(
+    st.lists(st.sampled_from(EVENTS), max_size=14),
+    st.lists(st.integers(0, 2000), max_size=10),
+    st.booleans(),
+)
+def test_the_relay_passes_what_splitting_every_event_passed(
+    events: list[bytes], cuts: list[int], want: bool
+) -> None:
+    data = b"".join(events)
+    points = sorted({min(c, len(data)) for c in cuts})
+    blocks = [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
+    relay, reference = UsageRelay(want_usage=want), SplittingRelay(want_usage=want)
+    for block in blocks:
+        assert relay.feed(block) == reference.feed(block)
+        assert (relay.saw_token, relay.saw_done) == (reference.saw_token, reference.saw_done)
+    assert relay.finish() == reference.finish()
+    assert relay.usage == reference.usage and relay.saw_done == reference.saw_done
+
+
+def test_stray_blank_lines_around_a_usage_event_are_kept_and_its_usage_read() -> None:
+    usage = b'"usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}'
+    event = b'data: {"choices": [{"index": 0, "text": "x"}], ' + usage + b"}\n\n"
+    relay = UsageRelay(want_usage=True)
+    assert relay.feed(event + b"\n") == event + b"\n"
+    assert relay.usage == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+    relay = UsageRelay(want_usage=False)
+    only_usage = b'data: {"choices": [], ' + usage.replace(b"1", b"4") + b"}\n\n"
+    assert relay.feed(b": ping\n\n\n" + only_usage + b"\n\n") == b": ping\n\n\n\n\n"
+    assert relay.usage == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 2}

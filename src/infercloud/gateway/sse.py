@@ -13,6 +13,7 @@ usage field) when it is stripped.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any
 
 _END = b"\n\n"
@@ -48,11 +49,22 @@ class UsageRelay:
             self.saw_data = True
         if self.saw_data and not self.saw_token:
             self.saw_token = any(_has_token(e) for e in complete[:-2].split(_END))
-        if b"[DONE]" in complete and not self.saw_done:
-            self.saw_done = any(e.strip() == b"data: [DONE]" for e in complete[:-2].split(_END))
+        if not self.saw_done and b"[DONE]" in complete:
+            self.saw_done = any(
+                complete[a:b].strip() == b"data: [DONE]"
+                for a, b in _events_with(complete, b"[DONE]")
+            )
         if b'"usage"' not in complete:
             return complete
-        return b"".join(self._event(e) for e in complete[:-2].split(_END))
+        # only the events that mention usage are parsed; the rest pass as they are
+        out: list[bytes] = []
+        pos = 0
+        for a, b in _events_with(complete, b'"usage"'):
+            out.append(complete[pos:a])
+            out.append(self._event(complete[a:b]))
+            pos = b + 2
+        out.append(complete[pos:])
+        return b"".join(out)
 
     def finish(self) -> bytes:
         """What is left at the end of the stream (a last event without its blank line)."""
@@ -79,6 +91,20 @@ class UsageRelay:
             return b""  # the usage-only chunk the client did not ask for
         del chunk["usage"]
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + _END
+
+
+def _events_with(complete: bytes, needle: bytes) -> Iterator[tuple[int, int]]:
+    """(start, end) of each event of `complete` (whole events, each ending with a blank line)
+    that contains `needle` (which holds no newline, so never runs over an event's end), in
+    order, found without splitting `complete` into all its events (when the gateway is busy a
+    block holds a whole stream, and most events need no look). An event starts after the last
+    blank line before it, so stray blank lines between events stay outside every event."""
+    found = complete.find(needle)
+    while found >= 0:
+        end = complete.find(_END, found)
+        before = complete.rfind(_END, 0, found)
+        yield (before + 2 if before >= 0 else 0), end
+        found = complete.find(needle, end + 2)
 
 
 def _has_token(event: bytes) -> bool:
