@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from infercloud.gateway.hot_path import GatewayApp, HotPath, is_json
+from infercloud.gateway.hot_path import GatewayApp, HotPath, is_json, new_request_id
 from infercloud.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from infercloud.server.errors import APIError, install_error_handlers
 
@@ -120,3 +121,20 @@ def test_errors_on_the_hot_path_are_openai_bodies_with_their_headers() -> None:
 def test_is_json() -> None:
     assert is_json(None) and is_json(b"application/json") and is_json(b" application/json ;x=1")
     assert not is_json(b"text/plain") and not is_json(b"application/jsonx")
+
+
+def test_request_ids_never_repeat_and_a_forked_child_draws_its_own() -> None:
+    ids = [new_request_id() for _ in range(10000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 36 and i.startswith("req-") for i in ids)
+    int(ids[0][4:], 16)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its first id, then leave at once
+        os.write(write, new_request_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child = os.read(read, 100).decode()
+    os.close(read)
+    os.close(write)
+    assert child[:20] != ids[0][:20] and child not in ids

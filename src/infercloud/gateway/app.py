@@ -600,9 +600,9 @@ class Gateway:
         headers: dict[str, str] = {}
         requests_seen: Decision | None = None
         tokens_seen: Decision | None = None
-        period = period_start_s(self.wall_clock(), self.config.gateway.budget_period)
         for scope, rpm, tpm, max_concurrent, budget in scopes:
             if budget is not None:
+                period = period_start_s(self.wall_clock(), self.config.gateway.budget_period)
                 key = f"{scope}:{int(period)}"
                 spent = await self.limits.spend(key)
                 if spent is None:
@@ -1109,13 +1109,15 @@ class RelayResponse(Response):
         task = asyncio.current_task()
         assert task is not None
         gone = False
+        sent = False
 
         async def listen() -> None:
             nonlocal gone
             while (await receive())["type"] != "http.disconnect":
                 pass
-            gone = True
-            task.cancel()
+            if not sent:
+                gone = True
+                task.cancel()
 
         listener = asyncio.ensure_future(listen())
         try:
@@ -1125,9 +1127,14 @@ class RelayResponse(Response):
                 )
                 async for chunk in self.chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent = True
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
-                listener.cancel()
+                # Once the whole answer is out, the server reports the exchange over as a
+                # disconnect and the listener ends by itself (cancelling it, as any other way
+                # out must, raises in it, which cost more).
+                if not sent:
+                    listener.cancel()
                 await self.chunks.aclose()  # a stream cut short cleans up now
                 if self.on_abandon is not None:
                     await self.on_abandon()
