@@ -10,12 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from starlette.types import Message
 
+from infercloud.gateway.app import LastChunk, RelayResponse
 from infercloud.gateway.hot_path import GatewayApp, HotPath, is_json, new_request_id
 from infercloud.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from infercloud.server.errors import APIError, install_error_handlers
@@ -138,3 +141,38 @@ def test_request_ids_never_repeat_and_a_forked_child_draws_its_own() -> None:
     os.close(read)
     os.close(write)
     assert child[:20] != ids[0][:20] and child not in ids
+
+
+def test_a_relay_response_sends_its_last_chunk_with_the_end() -> None:
+    """Two writes for a stream whose end came with its last events (`LastChunk`): headers, then
+    the rest with the end; a stream without one ends with an empty body, as before."""
+
+    async def run(chunks: list[bytes]) -> list[Message]:
+        sent: list[Message] = []
+
+        async def gen() -> AsyncGenerator[bytes, None]:
+            for c in chunks:
+                yield c
+
+        async def receive() -> Message:
+            await asyncio.Event().wait()  # the client stays
+            raise AssertionError
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        await RelayResponse(gen(), media_type="text/event-stream")({}, receive, send)
+        await asyncio.sleep(0)
+        return sent
+
+    sent = asyncio.run(run([b"data: a\n\n", LastChunk(b"data: [DONE]\n\n")]))
+    assert [m["type"] for m in sent] == ["http.response.start", *["http.response.body"] * 2]
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: a\n\n", True),
+        (b"data: [DONE]\n\n", False),
+    ]
+    sent = asyncio.run(run([b"data: a\n\n"]))
+    assert [(m["body"], m["more_body"]) for m in sent[1:]] == [
+        (b"data: a\n\n", True),
+        (b"", False),
+    ]

@@ -1020,10 +1020,17 @@ class Gateway:
         held: list[bytes],
         events: Any,
     ) -> AsyncGenerator[bytes, None]:
-        """Pass the held events, then the rest as they come (`UsageRelay`), then finish."""
+        """Pass the held events, then the rest as they come (`UsageRelay`), then finish.
+
+        The last events (`[DONE]`) go out with the end of the response, as one `LastChunk`,
+        when the replica's end has already arrived with them (one write to the client less);
+        otherwise each block goes out as it comes."""
         assert flight.route is not None and flight.deployment is not None
         state = flight.route.state
+        ending = b""
         try:
+            if held and relay.saw_done and upstream.content.is_eof():
+                ending = held.pop()
             for out in held:
                 yield out
             while True:
@@ -1036,10 +1043,11 @@ class Gateway:
                     flight.first_token_s = self.clock()
                     ReplicaSet.first_token(flight.route)
                 if out:
-                    yield out
-            tail = relay.finish()
-            if tail:
-                yield tail
+                    if relay.saw_done and upstream.content.is_eof():
+                        ending += out
+                    else:
+                        yield out
+            ending += relay.finish()
         except (aiohttp.ClientError, TimeoutError) as exc:
             watch.cancel()
             upstream.close()
@@ -1051,7 +1059,7 @@ class Gateway:
             )
             flight.attempt_failed(state.name)
             await flight.finish("failed", 200, relay.usage, error=str(failure))
-            yield f"data: {json.dumps(body)}\n\n".encode()
+            yield ending + f"data: {json.dumps(body)}\n\n".encode()
             return
         except BaseException:
             await self._client_gone(flight, upstream, watch, relay)
@@ -1059,6 +1067,7 @@ class Gateway:
         watch.cancel()
         upstream.release()
         await flight.finish("completed", 200, relay.usage)
+        yield LastChunk(ending)
 
     @staticmethod
     async def _client_gone(
@@ -1079,6 +1088,10 @@ class Gateway:
             )
 
 
+class LastChunk(bytes):
+    """The last bytes of a `RelayResponse`'s stream: sent with the end of the response."""
+
+
 class RelayResponse(Response):
     """Streams `chunks` to the client, and stops them once the client is gone.
 
@@ -1086,7 +1099,8 @@ class RelayResponse(Response):
     `http.disconnect` and cancels the stream; the generator is then closed, which runs its own
     clean-up (the upstream response closed, the flight finished), or, if it never started,
     `on_abandon` does. One asyncio task per stream instead of Starlette's `StreamingResponse`
-    and its anyio task group (a fifth of the gateway's CPU per streamed request)."""
+    and its anyio task group (a fifth of the gateway's CPU per streamed request). A
+    `LastChunk` goes out with the end of the response, in one write."""
 
     def __init__(
         self,
@@ -1126,9 +1140,12 @@ class RelayResponse(Response):
                     {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
                 )
                 async for chunk in self.chunks:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                sent = True
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    last = isinstance(chunk, LastChunk)
+                    sent = sent or last
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if not sent:
+                    sent = True
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             finally:
                 # Once the whole answer is out, the server reports the exchange over as a
                 # disconnect and the listener ends by itself (cancelling it, as any other way
