@@ -143,6 +143,14 @@ def test_bad_requests_get_openai_errors(gateway: EngineServer, data_dir: Path) -
     assert r.status_code == 400 and error_of(r)["param"] == "max_tokens"
     r = httpx.post(url, json={**good, "prompt": "x" * 70000}, headers=auth)
     assert r.status_code == 413
+    chunked = json.dumps({**good, "prompt": "x" * 70000}).encode()
+    r = httpx.post(  # no declared length: refused once the bytes pass the limit
+        url,
+        content=(chunked[i : i + 8192] for i in range(0, len(chunked), 8192)),
+        headers={**auth, "content-type": "application/json"},
+    )
+    assert r.status_code == 413 and error_of(r)["type"] == "invalid_request_error"
+    assert r.headers["x-request-id"].startswith("req-")
     r = httpx.post(url, json={**good, "temperature": -3}, headers=auth)
     assert r.status_code == 400  # the replica's own validation, relayed
     with client_for(gateway, key) as client, pytest.raises(openai.AuthenticationError):
@@ -151,8 +159,8 @@ def test_bad_requests_get_openai_errors(gateway: EngineServer, data_dir: Path) -
         )
     records = cli(data_dir, "usage", "--tenant", "errors", "--json")
     # one record each, with the tenant, also for bodies refused before the gateway read them
-    assert sorted(r["status"] for r in records) == [400, 400, 400, 404, 413]
-    assert [r["outcome"] for r in records].count("refused") == 4  # the replica's 400 is failed
+    assert sorted(r["status"] for r in records) == [400, 400, 400, 404, 413, 413]
+    assert [r["outcome"] for r in records].count("refused") == 5  # the replica's 400 is failed
     anonymous = [r for r in cli(data_dir, "usage", "--json") if r["tenant"] == ""]
     assert len(anonymous) >= 3 and {r["status"] for r in anonymous} == {401}
 

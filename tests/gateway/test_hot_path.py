@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import httpx
@@ -21,7 +21,7 @@ from starlette.types import Message
 from infercloud.gateway.app import LastChunk, RelayResponse
 from infercloud.gateway.hot_path import GatewayApp, HotPath, is_json, new_request_id
 from infercloud.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from infercloud.server.errors import APIError, install_error_handlers
+from infercloud.server.errors import APIError, BodyLimitMiddleware, install_error_handlers
 
 BODY = {"model": "m", "prompt": "hello", "max_tokens": 3}
 
@@ -43,6 +43,7 @@ class GatewayDouble:
 def make_app(gateway: GatewayDouble, max_body_bytes: int = 1000) -> tuple[GatewayApp, list[str]]:
     app = GatewayApp()
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     full: list[str] = []
 
     @app.post("/v1/completions")
@@ -54,12 +55,19 @@ def make_app(gateway: GatewayDouble, max_body_bytes: int = 1000) -> tuple[Gatewa
     return app, full
 
 
-def post(app: GatewayApp, content: bytes, content_type: str | None) -> httpx.Response:
+def post(app: GatewayApp, content: bytes | list[bytes], content_type: str | None) -> httpx.Response:
+    """POST `content` (a list: in those pieces, chunked, with no declared length)."""
+
+    async def pieces(parts: list[bytes]) -> AsyncIterator[bytes]:
+        for part in parts:
+            yield part
+
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
             headers = {"content-type": content_type} if content_type else {}
-            return await client.post("/v1/completions", content=content, headers=headers)
+            body = pieces(content) if isinstance(content, list) else content
+            return await client.post("/v1/completions", content=body, headers=headers)
 
     return asyncio.run(go())
 
@@ -99,11 +107,15 @@ def test_what_the_hot_path_would_answer_differently_goes_to_the_full_app() -> No
             "code",
         }
     assert post(app, b"{not json", "application/json").json()["error"]["code"] == "invalid_json"
-    # a declared body over the limit: the full app's (here: FastAPI reads it; the gateway's
-    # own middleware answers 413 there)
-    r = post(app, json.dumps({**BODY, "prompt": "x" * 300}).encode(), "application/json")
-    assert r.json() == {"ok": "full"}
-    assert gateway.seen == []
+    # a body over the limit, declared or chunked: the full app's 413
+    big = json.dumps({**BODY, "prompt": "x" * 300}).encode()
+    r = post(app, big, "application/json")
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    r = post(app, [big[:100], big[100:200], big[200:]], "application/json")
+    assert r.status_code == 413 and "exceeds the limit of 200" in r.json()["error"]["message"]
+    r = post(app, [body[:10], body[10:]], "application/json")  # chunked, under: the hot path
+    assert r.json() == {"ok": "completions"}
+    assert len(gateway.seen) == 1 and len(full) == 1
 
 
 def test_errors_on_the_hot_path_are_openai_bodies_with_their_headers() -> None:

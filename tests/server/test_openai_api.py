@@ -156,6 +156,14 @@ def test_malformed_json_and_oversized_body(tiny_server: EngineServer) -> None:
     assert r.status_code == 400 and "prompt" in r.json()["error"]["message"]
     r = httpx.post(url, content=b"x" * (9 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "error" in r.json()
+    big = b"x" * (9 << 20)
+    r = httpx.post(  # chunked, no declared length: refused once the bytes pass the limit
+        url,
+        content=(big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)),
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    assert httpx.post(url, json={"model": "tiny", "prompt": "ok", "max_tokens": 1}).is_success
 
 
 def test_metrics_use_vllm_names(tiny_server: EngineServer) -> None:

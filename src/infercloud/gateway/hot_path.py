@@ -11,9 +11,9 @@ gateway's CPU. The hot path does for these two routes what the stack did, and no
 
 Invariant: a request the hot path would answer differently from the full app goes to the full
 app, untouched, with the body replayed if it was read: any other path or method, a content type
-other than JSON, a declared body over the limit (the full app refuses it, 413, and records it),
-a body that fails validation (the full app words the 400 and records it). So both ways give one
-answer, and the hot path only decides how fast.
+other than JSON, a body over the limit, declared or chunked (the full app refuses it, 413, and
+records it), a body that fails validation (the full app words the 400 and records it). So both
+ways give one answer, and the hot path only decides how fast.
 """
 
 from __future__ import annotations
@@ -120,13 +120,18 @@ class HotPath:
             await self.app.full(scope, receive, send)
             return
         messages: list[Message] = []
+        size = 0
         while True:
             message = await receive()
             messages.append(message)
-            if message["type"] != "http.request" or not message.get("more_body", False):
+            if message["type"] != "http.request":
+                return  # the client left before its body was complete: nobody to answer
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:  # chunked, over the limit: the full app refuses it
+                await self.app.full(scope, _replay(messages, receive), send)
+                return
+            if not message.get("more_body", False):
                 break
-        if message["type"] != "http.request":
-            return  # the client left before its body was complete: nobody to answer
         body = b"".join(m.get("body", b"") for m in messages)
         try:
             request = model.model_validate_json(body)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 _TYPES = {
     400: "invalid_request_error",
@@ -97,9 +97,14 @@ def install_error_handlers(
 
 
 class BodyLimitMiddleware:
-    """Answer 413 before reading a body whose declared length is over the limit (pure ASGI).
+    """Answer 413 to a body over the limit (pure ASGI): at once when its declared length is
+    over, and as soon as the bytes received pass it when it has none (chunked), so that no
+    body is read past the limit either way.
 
     `on_refuse(scope, status, message)`, if given, is awaited first (the gateway records it).
+    A chunked body's refusal is raised from `receive` as an `HTTPException` (413), which
+    FastAPI passes on to the app's handler (it turns other errors while reading a body into
+    400s).
     """
 
     def __init__(
@@ -113,13 +118,14 @@ class BodyLimitMiddleware:
         self.on_refuse = on_refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            for name, value in scope["headers"]:
-                if (
-                    name == b"content-length"
-                    and value.isdigit()
-                    and int(value) > self.max_body_bytes
-                ):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = False
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit():
+                declared = True
+                if int(value) > self.max_body_bytes:
                     message = (
                         f"request body of {int(value)} bytes exceeds the limit of "
                         f"{self.max_body_bytes}"
@@ -128,4 +134,21 @@ class BodyLimitMiddleware:
                         await self.on_refuse(scope, 413, message)
                     await error_response(413, message)(scope, receive, send)
                     return
-        await self.app(scope, receive, send)
+        if declared:  # the server holds the body to its declared length
+            await self.app(scope, receive, send)
+            return
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    text = f"request body exceeds the limit of {self.max_body_bytes} bytes"
+                    if self.on_refuse is not None:
+                        await self.on_refuse(scope, 413, text)
+                    raise StarletteHTTPException(413, text)
+            return message
+
+        await self.app(scope, limited, send)
