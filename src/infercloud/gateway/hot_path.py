@@ -3,7 +3,8 @@ straight to the gateway, around FastAPI's middleware stack, routing and dependen
 
 On a streamed request through a stub upstream, that stack (seven ASGI middleware layers, FastAPI's
 and ours, most of them wrapping every `send` of the stream; the router; the dependency solver)
-took about a seventh of the gateway's CPU. The hot path does for these two routes what the stack did, and no more:
+took about a seventh of the gateway's CPU. The hot path does for these two routes what the
+stack did, and no more:
   - it gives the request its id (`x-request-id` on the response, `request.state.request_id`);
   - it reads the body and validates it with the same pydantic models;
   - it calls `Gateway.handle` and answers `APIError` (and its `Refusal`, with its headers) in
