@@ -555,6 +555,7 @@ class Store:
 
 
 _KEY_CACHE_MAX = 4096
+"""Keys a SQLite store keeps between changes of the database (more are read each time)."""
 _KEY_COLUMNS = ", ".join(f.name for f in dataclasses.fields(KeyRecord))
 _KEY_BY_ID = f"SELECT {_KEY_COLUMNS} FROM {api_keys.name} WHERE key_id = ?"
 """The one statement of a per-request key lookup on SQLite (columns in `KeyRecord`'s order)."""
@@ -625,7 +626,7 @@ def _sqlite_usage_insert(num_rows: int) -> str:
     """An insert-if-absent of `num_rows` usage records in one statement."""
     one = "(" + ", ".join("?" * len(_USAGE_FIELDS)) + ")"
     return (
-        f"INSERT INTO usage_records ({', '.join(_USAGE_FIELDS)}) VALUES "
+        f"INSERT INTO {usage_records.name} ({', '.join(_USAGE_FIELDS)}) VALUES "
         + ", ".join([one] * num_rows)
         + " ON CONFLICT (request_id) DO NOTHING"
     )
