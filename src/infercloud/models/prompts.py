@@ -4,8 +4,11 @@ hashes would never match the engine's."""
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
+
+from infercloud.models.segment_encoder import SegmentEncoder
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -29,9 +32,23 @@ def content_text(content: str | list[Any] | None) -> str:
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """The chat template applied (with the generation prompt), then tokenized without adding
-    special tokens again. Raises whatever the template raises on messages it refuses."""
+    special tokens again. Raises whatever the template raises on messages it refuses.
+
+    A repeated long part (a system prompt, tool definitions) is encoded once per process
+    (`SegmentEncoder`, one per tokenizer): the same ids, without the cost."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return segment_encoder(tokenizer).encode(text)
+
+
+_encoders: weakref.WeakKeyDictionary[Any, SegmentEncoder] = weakref.WeakKeyDictionary()
+
+
+def segment_encoder(tokenizer: Any) -> SegmentEncoder:
+    """The tokenizer's `SegmentEncoder` (made on first use, dropped with the tokenizer)."""
+    encoder = _encoders.get(tokenizer)
+    if encoder is None:
+        encoder = _encoders[tokenizer] = SegmentEncoder(tokenizer)
+    return encoder
 
 
 def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
