@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import re
 import threading
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 PROBES = (
@@ -54,7 +56,8 @@ class SegmentEncoder:
         # leftmost match, the longest at a position (the tokenizer's own rule for added tokens)
         alternatives = sorted(self._id_of, key=len, reverse=True)
         self._split = re.compile("|".join(re.escape(a) for a in alternatives) or r"(?!)")
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array[int]] = OrderedDict()
+        """Piece -> its ids, 4 bytes each (a list would hold a 36-byte int object per id)."""
         self._cached_chars = 0
         self._lock = threading.Lock()
         self.hits = 0
@@ -88,20 +91,20 @@ class SegmentEncoder:
             out.extend(self._piece(text[pos:]))
         return out
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> Sequence[int]:
         if len(piece) < self.min_cached_chars:
             return self._encode_piece(piece)
         with self._lock:
-            ids = self._cache.get(piece)
-            if ids is not None:
+            cached = self._cache.get(piece)
+            if cached is not None:
                 self._cache.move_to_end(piece)
                 self.hits += 1
-                return ids
+                return cached
         ids = self._encode_piece(piece)
         with self._lock:
             self.misses += 1
             if piece not in self._cache and len(piece) <= self.max_cached_chars:
-                self._cache[piece] = ids
+                self._cache[piece] = array("i", ids)
                 self._cached_chars += len(piece)
                 while self._cached_chars > self.max_cached_chars:
                     old, _ = self._cache.popitem(last=False)
