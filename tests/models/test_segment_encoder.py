@@ -7,11 +7,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Tokenizer, processors
 
-from infercloud.models.prompts import chat_prompt_ids, load_tokenizer, segment_encoder
+from infercloud.models.prompts import (
+    chat_prompt_ids,
+    load_tokenizer,
+    segment_encoder,
+    text_prompt_ids,
+)
 from infercloud.models.segment_encoder import SegmentEncoder
 
 
@@ -100,3 +106,28 @@ def test_a_tokenizer_whose_added_tokens_strip_spaces_is_encoded_whole(smollm2: A
     assert not encoder.split
     text = "x" * 300 + "<|im_end|>" + "y" * 300
     assert encoder.encode(text) == list(smollm2(text, add_special_tokens=False)["input_ids"])
+
+
+@settings(max_examples=40, deadline=None)
+@given(prefix=TEXT, rest=TEXT)
+def test_completion_prompts_get_the_tokenizers_own_ids(
+    smollm2: Any, prefix: str, rest: str
+) -> None:
+    text = prefix * 6 + rest  # a long repeated part, then a new one
+    assert text_prompt_ids(smollm2, text) == list(smollm2(text)["input_ids"])
+    assert text_prompt_ids(smollm2, text) == list(smollm2(text)["input_ids"])
+
+
+def test_a_tokenizer_that_adds_special_tokens_gets_them_around_the_pieces(smollm2: Any) -> None:
+    backend = Tokenizer.from_str(smollm2.backend_tokenizer.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A <|im_end|>",
+        special_tokens=[("<|im_start|>", 1), ("<|im_end|>", 2)],
+    )
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=backend)
+    encoder = SegmentEncoder(tokenizer)
+    assert encoder.split and encoder._affixes == ([1], [2])
+    text = SYSTEM + "<|im_end|>\nand then" + SYSTEM
+    ids = text_prompt_ids(tokenizer, text)
+    assert ids == list(tokenizer(text)["input_ids"]) and ids[0] == 1 and ids[-1] == 2
+    assert encoder.encode(text) == list(tokenizer(text, add_special_tokens=False)["input_ids"])

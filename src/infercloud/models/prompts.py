@@ -52,5 +52,6 @@ def segment_encoder(tokenizer: Any) -> SegmentEncoder:
 
 
 def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
-    """A completion prompt's ids (with the tokenizer's own special tokens, as OpenAI's API)."""
-    return list(tokenizer(text)["input_ids"])
+    """A completion prompt's ids (with the tokenizer's own special tokens, as OpenAI's API),
+    repeated long parts encoded once (`SegmentEncoder`)."""
+    return segment_encoder(tokenizer).encode(text, special=True)

@@ -9,8 +9,8 @@ with each added token's id between them. `SegmentEncoder` cuts a text the same w
 each piece (remembering the long ones, least recently used first out, bounded in characters)
 and joins the ids.
 
-Invariant: `encode(text)` equals the tokenizer's own ids for `text` without added special
-tokens (`tokenizer(text, add_special_tokens=False)`). It is used only where that holds by
+Invariant: `encode(text, special)` equals the tokenizer's own ids for `text`
+(`tokenizer(text, add_special_tokens=special)`). It is used only where that holds by
 construction: every added token matched as it is (not normalized, no stripping of the spaces
 beside it, not single-word only), and a check on probe texts at construction agrees; otherwise
 every text is encoded whole, as before.
@@ -68,16 +68,36 @@ class SegmentEncoder:
             and all(self._split_ids(p) == self.whole_ids(p) for p in PROBES)
         )
         """True when texts are encoded piece by piece; False: whole, as the tokenizer does."""
+        self._affixes = self._special_affixes() if self.split else None
+        """The ids the tokenizer's post-processor puts before and after a text's own when it
+        adds special tokens (a BOS, say), where that is all it does (checked on the probes)."""
 
-    def whole_ids(self, text: str) -> list[int]:
-        """The tokenizer's own ids for `text`, no special tokens added."""
-        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+    def whole_ids(self, text: str, special: bool = False) -> list[int]:
+        """The tokenizer's own ids for `text`, with its special tokens added if `special`."""
+        return list(self._tokenizer(text, add_special_tokens=special)["input_ids"])
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = False) -> list[int]:
         """`text`'s ids (as `whole_ids`), its long pieces from the cache when seen before."""
         if not self.split or len(text) < self.min_cached_chars:
-            return self.whole_ids(text)
-        return self._split_ids(text)
+            return self.whole_ids(text, special)
+        if not special:
+            return self._split_ids(text)
+        if self._affixes is None:
+            return self.whole_ids(text, special)
+        before, after = self._affixes
+        return [*before, *self._split_ids(text), *after]
+
+    def _special_affixes(self) -> tuple[list[int], list[int]] | None:
+        bare, full = self.whole_ids("x"), self.whole_ids("x", special=True)
+        starts = [i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare]
+        if not starts:
+            return None
+        before, after = full[: starts[0]], full[starts[0] + len(bare) :]
+        agrees = all(
+            [*before, *self._split_ids(p), *after] == self.whole_ids(p, special=True)
+            for p in PROBES
+        )
+        return (before, after) if agrees else None
 
     def _split_ids(self, text: str) -> list[int]:
         out: list[int] = []
