@@ -39,7 +39,7 @@ from typing import Annotated, Any
 import aiohttp
 import yarl
 from fastapi import FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -1205,12 +1205,6 @@ def create_gateway_app(gateway: Gateway) -> GatewayApp:
     )
     app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app, on_invalid=invalid)
-
-    @app.exception_handler(Refusal)
-    async def _refusal(_: Request, exc: Refusal) -> JSONResponse:
-        response = error_response(exc.status, exc.message, code=exc.code)
-        response.headers.update(exc.headers)
-        return response
 
     @app.get("/health")
     async def health() -> dict[str, str]:

@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 from infercloud.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from infercloud.server.errors import APIError, error_response
+from infercloud.server.errors import APIError, api_error_response, error_response
 
 if TYPE_CHECKING:
     from infercloud.gateway.app import Gateway
@@ -146,8 +146,7 @@ class HotPath:
         try:
             response = await self.gateway.handle(raw, request, endpoint)
         except APIError as exc:
-            response = error_response(exc.status, exc.message, param=exc.param, code=exc.code)
-            response.headers.update(exc.headers)
+            response = api_error_response(exc)
         except Exception:
             log.exception("request %s failed in the gateway", request_id)
             response = error_response(500, "internal error in the gateway", code="internal_error")

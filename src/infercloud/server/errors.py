@@ -57,6 +57,13 @@ def error_response(
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+def api_error_response(exc: APIError) -> JSONResponse:
+    """The answer to an `APIError`: its OpenAI error body, status and extra headers."""
+    response = error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+    response.headers.update(exc.headers)
+    return response
+
+
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str | None]:
     """(message, param, code) for a request body that failed validation."""
     errors = exc.errors()
@@ -82,7 +89,7 @@ def install_error_handlers(
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, param=exc.param, code=exc.code)
+        return api_error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
