@@ -14,7 +14,7 @@ request takes out (the invariant the tests check: at rest every count is 0).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from infercloud.gateway.config import Routing
@@ -41,6 +41,9 @@ class ReplicaState:
     """The engine's KV block size, from its KV events (None: publishes none, or not yet)."""
     routed_total: int = 0
     restarts: int = 0
+    on_eject: set[Callable[[], object]] = field(default_factory=set)
+    """Called once each when the replica is ejected (`ReplicaSet.eject`), and dropped: the
+    gateway's waits on it, so that they give up at once instead of polling its status."""
 
     @property
     def name(self) -> str:
@@ -110,6 +113,8 @@ class ReplicaSet:
         """Pick a replica for a request (raises `NoReplicaError` if none is routable).
         `block_hashes`: the prompt's block hashes by block size, if the caller has them
         (`prompt_block_hashes`), else computed here."""
+        if len(self.states) == 1:
+            return self._only(self.states[0], len(prompt_ids), exclude)
         candidates = self.routable(exclude)
         if not candidates:
             raise NoReplicaError(f"no healthy replica of {self.model!r}")
@@ -140,6 +145,17 @@ class ReplicaSet:
         state.pending_prefill_tokens += pending
         state.routed_total += 1
         return Route(state, pending, view.cached_prefix_blocks, choice.reason)
+
+    def _only(self, state: ReplicaState, prompt_tokens: int, exclude: Collection[str]) -> Route:
+        """The route of a set of one replica: there is nothing to choose, so no block hashes,
+        no cache index and no policy (which of its blocks the replica holds would only weigh
+        against other replicas). Its whole prompt counts as pending prefill."""
+        if state.status != ROUTABLE or state.name in exclude:
+            raise NoReplicaError(f"no healthy replica of {self.model!r}")
+        state.outstanding += 1
+        state.pending_prefill_tokens += prompt_tokens
+        state.routed_total += 1
+        return Route(state, prompt_tokens, 0, "only replica")
 
     @staticmethod
     def first_token(route: Route) -> None:
@@ -177,6 +193,9 @@ class ReplicaSet:
         """Out of routing at once (a failed connection, a dead process, failed checks)."""
         if state.status in ("starting", ROUTABLE):
             state.status = "ejected"
+            waits, state.on_eject = state.on_eject, set()
+            for wait in waits:
+                wait()
 
     def restarted(self, state: ReplicaState, replica: Replica) -> None:
         """A new process took the replica's place: its cache is empty, its events start anew."""
