@@ -12,9 +12,10 @@ usage field) when it is stripped.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
+
+from pydantic_core import from_json, to_json
 
 _END = b"\n\n"
 
@@ -79,7 +80,7 @@ class UsageRelay:
         if not (event.startswith(b"data: {") and b'"usage"' in event):
             return event + _END
         try:
-            chunk = json.loads(event[6:])
+            chunk = from_json(event[6:])
         except ValueError:
             return event + _END
         if not isinstance(chunk, dict) or not chunk.get("usage"):
@@ -90,7 +91,7 @@ class UsageRelay:
         if not chunk.get("choices"):
             return b""  # the usage-only chunk the client did not ask for
         del chunk["usage"]
-        return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + _END
+        return b"data: " + to_json(chunk) + _END
 
 
 def _events_with(complete: bytes, needle: bytes) -> Iterator[tuple[int, int]]:
@@ -111,7 +112,7 @@ def _has_token(event: bytes) -> bool:
     if not event.startswith(b"data: {"):
         return False
     try:
-        chunk = json.loads(event[6:])
+        chunk = from_json(event[6:])
     except ValueError:
         return False
     choices = chunk.get("choices") if isinstance(chunk, dict) else None
