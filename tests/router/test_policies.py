@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -164,18 +165,52 @@ def test_replica_set_routes_only_to_healthy_replicas_and_learns_upstream_prefixe
     ReplicaSet.finish(other_salt)
 
 
+def test_a_set_of_one_routes_to_it_without_the_index_and_refuses_when_it_is_out() -> None:
+    rs = replica_set("kv_aware", n=1)
+    only = rs.states[0]
+    prompt = list(range(320))
+    first = rs.route("a", prompt, "t", None, 0.0)
+    assert first.state is only and (first.pending_tokens, first.cached_blocks) == (320, 0)
+    assert rs.index.num_blocks(only.name) == 0  # nothing learned: there is no one to weigh
+    ReplicaSet.finish(first)
+    with pytest.raises(NoReplicaError):
+        rs.route("b", prompt, "t", None, 1.0, exclude={only.name})
+    rs.eject(only)
+    with pytest.raises(NoReplicaError):
+        rs.route("c", prompt, "t", None, 2.0)
+    rs.check_passed(only)
+    ReplicaSet.finish(rs.route("d", prompt, "t", None, 3.0))
+    assert (only.outstanding, only.pending_prefill_tokens, only.routed_total) == (0, 0, 2)
+
+
+def test_ejection_calls_each_wait_on_the_replica_once() -> None:
+    rs = replica_set("least_outstanding", n=2)
+    calls: list[str] = []
+    a, b = rs.states
+    a.on_eject.update({lambda: calls.append("x"), lambda: calls.append("y")})
+    b.on_eject.add(lambda: calls.append("other"))
+    rs.eject(a)
+    assert sorted(calls) == ["x", "y"] and not a.on_eject
+    rs.eject(a)  # already out: nothing more
+    rs.check_passed(a)
+    rs.eject(a)  # back, then out again: the waits were dropped with the first ejection
+    assert sorted(calls) == ["x", "y"] and b.on_eject
+
+
 @given(
     st.lists(
         st.tuples(
             st.sampled_from(["route", "first", "finish", "eject", "pass"]), st.integers(0, 9)
         ),
         max_size=80,
-    )
+    ),
+    st.sampled_from([1, 3]),
 )
-def test_load_counts_never_drift(ops: list[tuple[str, int]]) -> None:
+def test_load_counts_never_drift(ops: list[tuple[str, int]], num_replicas: int) -> None:
     """Whatever order requests start, stream and end in (each step possibly repeated), the
-    counts equal what the live routes imply, and are all zero once every route is finished."""
-    rs = replica_set("least_outstanding")
+    counts equal what the live routes imply, and are all zero once every route is finished
+    (a set of one replica routes on its own path, so both sizes are run)."""
+    rs = replica_set("least_outstanding", n=num_replicas)
     routes = []
     for op, i in ops:
         if op == "route":
@@ -186,9 +221,9 @@ def test_load_counts_never_drift(ops: list[tuple[str, int]]) -> None:
         elif op == "finish" and routes:
             ReplicaSet.finish(routes[i % len(routes)])
         elif op == "eject":
-            rs.eject(rs.states[i % 3])
+            rs.eject(rs.states[i % num_replicas])
         else:
-            rs.check_passed(rs.states[i % 3])
+            rs.check_passed(rs.states[i % num_replicas])
         for s in rs.states:
             live = [r for r in routes if r.state is s and not r.finished]
             assert s.outstanding == len(live)

@@ -941,7 +941,7 @@ class Gateway:
             upstream = await self._unless_ejected(
                 session.post(
                     url,
-                    data=pydantic_core.to_json(payload),  # 5x json.dumps'; same JSON
+                    data=pydantic_core.to_json(payload),  # the same JSON, 5x faster than json.dumps
                     headers=upstream_headers,
                 ),
                 state,
