@@ -38,7 +38,6 @@ from typing import Annotated, Any
 
 import aiohttp
 import pydantic_core
-import yarl
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response
 from prometheus_client import (
@@ -66,6 +65,7 @@ from infercloud.gateway.protocol import (
 from infercloud.gateway.replicas import Replica
 from infercloud.gateway.sse import UsageRelay
 from infercloud.gateway.store import KeyRecord, OutcomeRecord, SpanRecord, Store, UsageRecord
+from infercloud.gateway.upstream import Endpoint, UpstreamError, UpstreamPool, UpstreamResponse
 from infercloud.gateway.usage_writer import UsageWriter
 from infercloud.models.prompts import chat_prompt_ids, content_text, text_prompt_ids
 from infercloud.router.replica_set import NoReplicaError, ReplicaSet, ReplicaState, Route
@@ -302,7 +302,7 @@ class EjectionWatch:
     """Calls `on_eject` once if the replica is ejected while the gateway waits on it: the
     replica set calls it when it ejects the replica (`ReplicaState.on_eject`), so a wait costs
     no timer. Closing an upstream response makes a read pending on it fail with
-    `aiohttp.ClientConnectionError`; cancelling the request's task ends a wait for its
+    `UpstreamError`; cancelling the request's task ends a wait for its
     headers. A replica already ejected when the watch starts fires it on the next turn of the
     loop. `fired` tells that the watch did it."""
 
@@ -383,7 +383,9 @@ class Gateway:
         self._spans: dict[str, str] = {}
         """Open replica span ids by replica name."""
         self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[tuple[str, str], yarl.URL] = {}
+        self.upstream = UpstreamPool()
+        """The request path's HTTP client to replicas (`gateway.upstream`)."""
+        self._endpoints: dict[tuple[str, str], Endpoint] = {}
         """Parsed upstream URLs by (replica URL, endpoint)."""
         self._settling: set[asyncio.Task[None]] = set()
         """Shielded work in flight (`shielded`)."""
@@ -421,7 +423,8 @@ class Gateway:
         await asyncio.shield(task)
 
     async def session(self) -> aiohttp.ClientSession:
-        """The HTTP client to replicas (made on first use, inside the running loop)."""
+        """The HTTP client for watching replicas (health, KV events; made on first use, inside
+        the running loop). Requests go through `upstream`."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -533,6 +536,7 @@ class Gateway:
                 await asyncio.to_thread(self._close_span, name)
             except Exception:
                 log.exception("closing the span of %s failed", name)
+        await self.upstream.close()
         if self._session is not None:
             await self._session.close()
         if self._key_reader is not None:
@@ -933,31 +937,31 @@ class Gateway:
         upstream_headers = {"x-request-id": flight.request_id, "content-type": "application/json"}
         if replica.api_key:
             upstream_headers["authorization"] = f"Bearer {replica.api_key}"
-        session = await self.session()
-        url = self._urls.get((replica.url, endpoint))
+        url = self._endpoints.get((replica.url, endpoint))
         if url is None:
-            url = self._urls[(replica.url, endpoint)] = yarl.URL(f"{replica.url}/v1/{endpoint}")
+            url = self._endpoints[(replica.url, endpoint)] = Endpoint(
+                f"{replica.url}/v1/{endpoint}"
+            )
         try:
             upstream = await self._unless_ejected(
-                session.post(
+                self.upstream.post(
                     url,
-                    data=pydantic_core.to_json(payload),  # the same JSON, 5x faster than json.dumps
-                    headers=upstream_headers,
+                    pydantic_core.to_json(payload),  # the same JSON, 5x faster than json.dumps
+                    upstream_headers,
                 ),
                 state,
             )
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             raise ReplicaFailed(repr(exc), connection=True) from exc
         watch = EjectionWatch(state, upstream.close)
         if upstream.status != 200 or not body.stream:
             try:
                 content = await upstream.read()
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except UpstreamError as exc:
                 upstream.close()
                 raise watch.failure(exc, "reading the response") from exc
             finally:
                 watch.cancel()
-                upstream.release()
             if upstream.status >= 500:
                 raise ReplicaFailed(
                     f"status {upstream.status}: {content[:200]!r}", connection=False
@@ -982,7 +986,7 @@ class Gateway:
         # A stream: hold its events back until the first token, so that a replica failing
         # before then can be replaced without the client seeing anything.
         relay = UsageRelay(want_usage)
-        events = upstream.content.iter_any()
+        events = upstream
         held: list[bytes] = []
         try:
             while not relay.saw_token:
@@ -991,7 +995,7 @@ class Gateway:
                     held.append(out)
         except StopAsyncIteration:
             pass  # ended without a token (max_tokens 0, say): pass it on as it is
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             watch.cancel()
             upstream.close()
             raise watch.failure(exc, "before the first token") from exc
@@ -1013,11 +1017,11 @@ class Gateway:
     async def _relay(
         self,
         flight: Flight,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         watch: EjectionWatch,
         relay: UsageRelay,
         held: list[bytes],
-        events: Any,
+        events: UpstreamResponse,
     ) -> AsyncGenerator[bytes, None]:
         """Pass the held events, then the rest as they come (`UsageRelay`), then finish.
 
@@ -1028,7 +1032,7 @@ class Gateway:
         state = flight.route.state
         ending = b""
         try:
-            if held and relay.saw_done and upstream.content.is_eof():
+            if held and relay.saw_done and upstream.done:
                 ending = held.pop()
             for out in held:
                 yield out
@@ -1042,15 +1046,15 @@ class Gateway:
                     flight.first_token_s = self.clock()
                     ReplicaSet.first_token(flight.route)
                 if out:
-                    if relay.saw_done and upstream.content.is_eof():
+                    if relay.saw_done and upstream.done:
                         ending += out
                     else:
                         yield out
             ending += relay.finish()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             watch.cancel()
             upstream.close()
-            if isinstance(exc, aiohttp.ClientError):  # the connection broke: out of routing
+            if not isinstance(exc, TimeoutError):  # the connection broke: out of routing
                 self.replica_sets[flight.deployment.name].eject(state)
             failure = watch.failure(exc, "mid-stream")
             body = error_body(
@@ -1064,13 +1068,12 @@ class Gateway:
             await self._client_gone(flight, upstream, watch, relay)
             raise
         watch.cancel()
-        upstream.release()
         await flight.finish("completed", 200, relay.usage)
         yield LastChunk(ending)
 
     @staticmethod
     async def _client_gone(
-        flight: Flight, upstream: aiohttp.ClientResponse, watch: EjectionWatch, relay: UsageRelay
+        flight: Flight, upstream: UpstreamResponse, watch: EjectionWatch, relay: UsageRelay
     ) -> None:
         """The client left a stream the flight has not finished (no-op once it has): drop the
         replica's answer (closing the connection aborts its work) and finish the flight, as
