@@ -209,6 +209,38 @@ def test_a_close_mid_answer_fails_the_reader_and_a_fresh_connection_is_not_retri
     run(main())
 
 
+def test_a_body_delimited_by_the_close_of_the_connection() -> None:
+    """HTTP/1.0 style: no length, no chunks; the answer ends when the server closes. A close
+    before the head, or one on a connection that carries a length, is still a failure."""
+
+    async def until_close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\npart one, ")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"part two")
+        await writer.drain()
+
+    async def short(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        await writer.drain()
+
+    async def main() -> None:
+        pool = UpstreamPool()
+        async with serving(until_close) as (url, _):
+            response = await pool.post(Endpoint(f"{url}/v1/x"), b"{}", {})
+            assert await response.read() == b"part one, part two"
+            assert pool.num_idle == 0 and pool.num_busy == 0
+        async with serving(short) as (url, _):
+            response = await pool.post(Endpoint(f"{url}/v1/x"), b"{}", {})
+            with pytest.raises(UpstreamError):
+                await response.read()
+        await pool.close()
+
+    run(main())
+
+
 def test_refused_and_invalid_http_are_upstream_errors() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

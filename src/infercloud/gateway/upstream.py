@@ -40,6 +40,8 @@ IDLE_KEEP_S = 4.0
 """Idle connections older than this are closed rather than reused: uvicorn (vLLM's, SGLang's
 and our engine's server) closes keep-alive connections idle for 5 s."""
 
+_DELIMITING = (b"content-length", b"transfer-encoding")
+
 MAX_BUFFERED_BYTES = 1 << 20
 """A response holding this much unread body stops reading from its socket until it is read."""
 
@@ -174,6 +176,7 @@ class _Connection(asyncio.Protocol):
         "pool",
         "response",
         "transport",
+        "until_eof",
     )
 
     def __init__(self, pool: UpstreamPool, key: tuple[str, str, int]) -> None:
@@ -186,6 +189,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.got_bytes = False
+        self.until_eof = True
+        """No `content-length` or `transfer-encoding` seen in this answer's head (yet): its body
+        ends when the server closes the connection (HTTP/1.0 style)."""
         self.idle_since_s = 0.0
         self.busy_since_s = 0.0
 
@@ -205,9 +211,16 @@ class _Connection(asyncio.Protocol):
             self._lost(UpstreamError(f"invalid HTTP from the replica: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if exc is None and self.response is not None and self.response.status and self.until_eof:
+            self.on_message_complete()  # a body without a length ends with the connection
+            return
         self._lost(UpstreamError(f"connection closed: {exc!r}" if exc else "connection closed"))
 
     # -- httptools' callbacks --
+
+    def on_header(self, name: bytes, _value: bytes) -> None:
+        if self.until_eof and name.lower() in _DELIMITING:
+            self.until_eof = False
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -240,7 +253,15 @@ class _Connection(asyncio.Protocol):
         if keep and not self.closed:
             self.pool.release(self)
         else:
-            self.abort()
+            self.retire()
+
+    def retire(self) -> None:
+        """Close after a complete answer the server will not follow with another."""
+        if not self.closed:
+            self.closed = True
+            self.pool.forget(self)
+            if self.transport is not None:
+                self.transport.close()
 
     # -- the pool's side --
 
@@ -276,6 +297,7 @@ class _Connection(asyncio.Protocol):
         response = self.response = UpstreamResponse(self)
         headers = self.headers = asyncio.get_running_loop().create_future()
         self.got_bytes = False
+        self.until_eof = True
         self.busy_since_s = self.pool.clock()
         self.pool.watch(self)
         self.transport.write(head + body)
