@@ -295,6 +295,23 @@ def test_a_silent_replica_times_out_and_activity_keeps_a_slow_one_alive() -> Non
         async with serving(slow) as (url, _):
             response = await pool.post(Endpoint(f"{url}/v1/x"), b"{}", {})
             assert await response.read() == b"y" * 6
+
+        async def mute_after_one(
+            reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+        ) -> None:
+            await read_request(reader)
+            writer.write(chunked(b"ok"))
+            await writer.drain()
+            while True:
+                await read_request(reader)  # and never answer
+
+        async with serving(mute_after_one) as (url, accepted):
+            endpoint = Endpoint(f"{url}/v1/x")
+            assert await (await pool.post(endpoint, b"{}", {})).read() == b"ok"
+            with pytest.raises(UpstreamTimeout):  # on the pooled connection: not sent again
+                await pool.post(endpoint, b"{}", {})
+            await asyncio.sleep(0.05)
+            assert len(accepted) == 1
         await pool.close()
 
     run(main())

@@ -360,8 +360,8 @@ class UpstreamPool:
         if conn is not None:
             try:
                 return await conn.send(head, body)
-            except UpstreamError:
-                if conn.got_bytes:
+            except UpstreamError as exc:
+                if conn.got_bytes or isinstance(exc, TimeoutError):
                     raise
                 # closed before answering anything: an idle connection the server dropped
         conn = await self._connect(endpoint)
