@@ -42,6 +42,7 @@ def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
         "port": args.port,
         "log_level": args.log_level,
         "access_log": args.access_log,
+        "server_header": False,  # no `server: uvicorn` on every answer
     }
 
 

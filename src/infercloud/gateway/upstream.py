@@ -84,10 +84,11 @@ class UpstreamResponse:
     comes (`async for block in response`: each block is everything that arrived since the last
     one, in order, never empty)."""
 
-    __slots__ = ("_conn", "_error", "_waiter", "buffered", "chunks", "done", "status")
+    __slots__ = ("_conn", "_error", "_loop", "_waiter", "buffered", "chunks", "done", "status")
 
     def __init__(self, conn: _Connection) -> None:
         self._conn: _Connection | None = conn
+        self._loop = conn.loop
         self.status = 0
         self.chunks: list[bytes] = []
         self.buffered = 0
@@ -115,7 +116,8 @@ class UpstreamResponse:
     # -- the reader's side --
 
     async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        # the loop the connection runs on (Python 3.11's get_running_loop() is a getpid call)
+        waiter = self._waiter = self._loop.create_future()
         await waiter
 
     def is_eof(self) -> bool:
@@ -171,6 +173,7 @@ class _Connection(asyncio.Protocol):
         "headers",
         "idle_since_s",
         "key",
+        "loop",
         "parser",
         "paused",
         "pool",
@@ -179,9 +182,12 @@ class _Connection(asyncio.Protocol):
         "until_eof",
     )
 
-    def __init__(self, pool: UpstreamPool, key: tuple[str, str, int]) -> None:
+    def __init__(
+        self, pool: UpstreamPool, key: tuple[str, str, int], loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.pool = pool
         self.key = key
+        self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -295,7 +301,7 @@ class _Connection(asyncio.Protocol):
         """Write the request and wait for the head of its answer."""
         assert self.transport is not None and self.response is None
         response = self.response = UpstreamResponse(self)
-        headers = self.headers = asyncio.get_running_loop().create_future()
+        headers = self.headers = self.loop.create_future()
         self.got_bytes = False
         self.until_eof = True
         self.busy_since_s = self.pool.clock()
@@ -388,7 +394,7 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _Connection(self, endpoint.key),
+                    lambda: _Connection(self, endpoint.key, loop),
                     endpoint.host,
                     endpoint.port,
                     ssl=context,
@@ -430,8 +436,7 @@ class UpstreamPool:
             self._arm(conn, self.read_timeout_s)
 
     def _arm(self, conn: _Connection, delay_s: float) -> None:
-        loop = asyncio.get_running_loop()
-        self._timers[conn] = loop.call_later(delay_s, self._check, conn)
+        self._timers[conn] = conn.loop.call_later(delay_s, self._check, conn)
 
     def _check(self, conn: _Connection) -> None:
         self._timers.pop(conn, None)
