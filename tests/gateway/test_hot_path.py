@@ -11,7 +11,7 @@ import asyncio
 import json
 import os
 import warnings
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from typing import Any
 
 import httpx
@@ -31,11 +31,17 @@ class GatewayDouble:
     def __init__(self, raises: BaseException | None = None) -> None:
         self.raises = raises
         self.seen: list[tuple[str, str, dict[str, Any]]] = []
+        self.headers: list[Mapping[str, str] | None] = []
 
     async def handle(
-        self, raw: Request, body: ChatCompletionRequest | CompletionRequest, endpoint: str
+        self,
+        raw: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        endpoint: str,
+        headers: Mapping[str, str] | None = None,
     ) -> Response:
         self.seen.append((raw.state.request_id, endpoint, body.forwarded()))
+        self.headers.append(headers)
         if self.raises is not None:
             raise self.raises
         return JSONResponse({"ok": endpoint})
@@ -56,7 +62,12 @@ def make_app(gateway: GatewayDouble, max_body_bytes: int = 1000) -> tuple[Gatewa
     return app, full
 
 
-def post(app: GatewayApp, content: bytes | list[bytes], content_type: str | None) -> httpx.Response:
+def post(
+    app: GatewayApp,
+    content: bytes | list[bytes],
+    content_type: str | None,
+    extra_headers: list[tuple[str, str]] | None = None,
+) -> httpx.Response:
     """POST `content` (a list: in those pieces, chunked, with no declared length)."""
 
     async def pieces(parts: list[bytes]) -> AsyncIterator[bytes]:
@@ -66,9 +77,11 @@ def post(app: GatewayApp, content: bytes | list[bytes], content_type: str | None
     async def go() -> httpx.Response:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as client:
-            headers = {"content-type": content_type} if content_type else {}
+            headers = [("content-type", content_type)] if content_type else []
             body = pieces(content) if isinstance(content, list) else content
-            return await client.post("/v1/completions", content=body, headers=headers)
+            return await client.post(
+                "/v1/completions", content=body, headers=[*headers, *(extra_headers or [])]
+            )
 
     return asyncio.run(go())
 
@@ -84,6 +97,22 @@ def test_json_bodies_take_the_hot_path_with_a_request_id() -> None:
     assert full == []
     assert [s[2] for s in gateway.seen] == [BODY] * 3
     assert len({s[0] for s in gateway.seen}) == 3
+
+
+def test_the_hot_path_hands_on_headers_by_lower_case_name_the_first_of_a_repeated_one() -> None:
+    gateway = GatewayDouble()
+    app, _ = make_app(gateway)
+    extra = [
+        ("Authorization", "Bearer first"),
+        ("X-Infercloud-Task", "t-1"),
+        ("authorization", "Bearer second"),
+    ]
+    assert post(app, json.dumps(BODY).encode(), "application/json", extra).status_code == 200
+    headers = gateway.headers[-1]
+    assert headers is not None
+    assert headers["authorization"] == "Bearer first"  # as Starlette's `Headers.get` gives it
+    assert headers["x-infercloud-task"] == "t-1"
+    assert headers["content-type"] == "application/json"
 
 
 def test_what_the_hot_path_would_answer_differently_goes_to_the_full_app() -> None:

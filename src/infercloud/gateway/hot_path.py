@@ -110,7 +110,9 @@ class HotPath:
         model, endpoint = ROUTES[scope["path"]]
         content_type: bytes | None = None
         length: bytes | None = None
-        for name, value in scope["headers"]:
+        headers: dict[str, str] = {}
+        for name, value in reversed(scope["headers"]):  # reversed: the first of a repeated one
+            headers[name.decode("latin-1")] = value.decode("latin-1")
             if name == b"content-type":
                 content_type = value
             elif name == b"content-length":
@@ -144,7 +146,7 @@ class HotPath:
         scope.setdefault("state", {})["request_id"] = request_id
         raw = Request(scope, receive)
         try:
-            response = await self.gateway.handle(raw, request, endpoint)
+            response = await self.gateway.handle(raw, request, endpoint, headers)
         except APIError as exc:
             response = api_error_response(exc)
         except Exception:
