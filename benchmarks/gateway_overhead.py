@@ -93,6 +93,10 @@ def wrk(url: str, key: str, connections: int, duration_s: int, work: Path) -> di
             "-d",
             f"{duration_s}s",
             "--latency",
+            # wrk's default of 2 s leaves slower answers out of the latency histogram (only
+            # counted as timeouts): LiteLLM at C = 64 then showed a p50 of 0
+            "--timeout",
+            "60s",
             "-s",
             str(script),
             url,
