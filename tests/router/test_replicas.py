@@ -82,10 +82,17 @@ def routed(
             u.stop()
 
 
-def complete(gw: EngineServer, key: str, model: str, prompt: str, **extra: Any) -> dict[str, Any]:
+def complete(
+    gw: EngineServer,
+    key: str,
+    model: str,
+    prompt: str,
+    headers: dict[str, str] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     r = httpx.post(
         gw.base_url + "/v1/completions",
-        headers={"Authorization": f"Bearer {key}"},
+        headers={"Authorization": f"Bearer {key}", **(headers or {})},
         json={"model": model, "prompt": prompt, "max_tokens": 2, **extra},
         timeout=60,
     )
@@ -153,6 +160,25 @@ def test_session_affinity_keeps_a_user_on_one_replica(
     for rids in by_user.values():
         assert len({recs[r]["replica"] for r in rids}) == 1
     assert len({recs[r]["replica"] for rids in by_user.values() for r in rids}) >= 2
+
+
+def test_session_affinity_by_the_session_header(
+    routed: tuple[EngineServer, Path, str, str],
+) -> None:
+    """No `user` in the body: the `x-session-id` header (any case) names the session."""
+    gw, data, key, _ = routed
+    by_session: dict[str, set[str]] = {}
+    for i in range(12):
+        session = f"s-{i % 4}"
+        name = "X-Session-Id" if i % 2 else "x-session-id"
+        rid = complete(gw, key, "session_affinity", f"hi {i}", headers={name: session})[
+            "request_id"
+        ]
+        by_session.setdefault(session, set()).add(rid)
+    recs = records_by_id(data, "a")
+    for rids in by_session.values():
+        assert len({recs[r]["replica"] for r in rids}) == 1
+    assert len({recs[r]["replica"] for rids in by_session.values() for r in rids}) >= 2
 
 
 def test_kv_aware_sends_a_prefix_where_it_is_cached_and_never_across_tenants(

@@ -863,9 +863,9 @@ class Gateway:
         body: GenerationRequest,
         endpoint: str,
         flight: Flight,
-        headers: Mapping[str, str],
+        request_headers: Mapping[str, str],
     ) -> Response:
-        caller = await self.authenticate_header(headers.get("authorization", ""))
+        caller = await self.authenticate_header(request_headers.get("authorization", ""))
         flight.caller = caller
         deployment = self.config.model(body.model)
         if deployment is None:
@@ -875,7 +875,7 @@ class Gateway:
                 code="model_not_found",
             )
         flight.deployment = deployment
-        flight.task_id, flight.config = task_labels(headers, body)
+        flight.task_id, flight.config = task_labels(request_headers, body)
         ids = self.prompt_ids(deployment, body)
         prompt_tokens = self.count_prompt_tokens(deployment, body, ids)
         headers = await self.check_limits(flight, caller, prompt_tokens)
@@ -890,7 +890,7 @@ class Gateway:
         )
         await self.admit(flight, deployment, ticket)
         salt = caller.tenant if body.cache_salt is None else f"{caller.tenant}/{body.cache_salt}"
-        session_key = body.user or headers.get(deployment.routing.session_header.lower())
+        session_key = body.user or request_headers.get(deployment.routing.session_header.lower())
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
         replica_set = self.replica_sets[deployment.name]
         while True:
