@@ -147,33 +147,21 @@ def test_least_outstanding_spreads_concurrent_requests(
     assert sorted(counts.values()) == [2, 2, 2], counts
 
 
-def test_session_affinity_keeps_a_user_on_one_replica(
-    routed: tuple[EngineServer, Path, str, str],
+@pytest.mark.parametrize("named_by", ["user", "header"])
+def test_session_affinity_keeps_a_session_on_one_replica(
+    routed: tuple[EngineServer, Path, str, str], named_by: str
 ) -> None:
-    gw, data, key, _ = routed
-    by_user: dict[str, set[str]] = {}
-    for i in range(12):
-        user = f"user-{i % 4}"
-        rid = complete(gw, key, "session_affinity", f"hello {i}", user=user)["request_id"]
-        by_user.setdefault(user, set()).add(rid)
-    recs = records_by_id(data, "a")
-    for rids in by_user.values():
-        assert len({recs[r]["replica"] for r in rids}) == 1
-    assert len({recs[r]["replica"] for rids in by_user.values() for r in rids}) >= 2
-
-
-def test_session_affinity_by_the_session_header(
-    routed: tuple[EngineServer, Path, str, str],
-) -> None:
-    """No `user` in the body: the `x-session-id` header (any case) names the session."""
+    """A session is named by the body's `user`, or without one by the `x-session-id` header
+    (in either case)."""
     gw, data, key, _ = routed
     by_session: dict[str, set[str]] = {}
     for i in range(12):
-        session = f"s-{i % 4}"
-        name = "X-Session-Id" if i % 2 else "x-session-id"
-        rid = complete(gw, key, "session_affinity", f"hi {i}", headers={name: session})[
-            "request_id"
-        ]
+        session = f"{named_by}-{i % 4}"
+        if named_by == "user":
+            extra: dict[str, Any] = {"user": session}
+        else:
+            extra = {"headers": {"X-Session-Id" if i % 2 else "x-session-id": session}}
+        rid = complete(gw, key, "session_affinity", f"hello {i}", **extra)["request_id"]
         by_session.setdefault(session, set()).add(rid)
     recs = records_by_id(data, "a")
     for rids in by_session.values():

@@ -158,7 +158,7 @@ class UpstreamResponse:
         """Drop the response: a connection still carrying it is aborted (the replica sees the
         client go); after its end this does nothing."""
         conn, self._conn = self._conn, None
-        if conn is not None and not self.done:
+        if conn is not None:  # still carrying it: the answer has not ended
             conn.abort()
         self._fail(UpstreamError("response closed"))
 
@@ -252,22 +252,12 @@ class _Connection(asyncio.Protocol):
             response.done = True
             response._conn = None
             response._wake()
-            if self.headers is not None and not self.headers.done():
-                self.headers.set_result(None)
         if self.paused:
             self.resume()
         if keep and not self.closed:
             self.pool.release(self)
         else:
-            self.retire()
-
-    def retire(self) -> None:
-        """Close after a complete answer the server will not follow with another."""
-        if not self.closed:
-            self.closed = True
-            self.pool.forget(self)
-            if self.transport is not None:
-                self.transport.close()
+            self._close(reset=False)  # complete, and the server will not send another
 
     # -- the pool's side --
 
@@ -283,11 +273,17 @@ class _Connection(asyncio.Protocol):
 
     def abort(self) -> None:
         """Close at once (the replica sees a reset)."""
+        self._close(reset=True)
+
+    def _close(self, reset: bool) -> None:
         if not self.closed:
             self.closed = True
             self.pool.forget(self)
             if self.transport is not None:
-                self.transport.abort()
+                if reset:
+                    self.transport.abort()
+                else:
+                    self.transport.close()
 
     def _lost(self, error: UpstreamError) -> None:
         self.abort()
