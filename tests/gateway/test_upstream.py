@@ -209,6 +209,37 @@ def test_a_close_mid_answer_fails_the_reader_and_a_fresh_connection_is_not_retri
     run(main())
 
 
+def test_a_connection_lost_before_its_request_fails_at_once_with_an_upstream_error() -> None:
+    """A replica killed under load: a new connection can be lost before its request goes out
+    (the loss seen first). Sending on it is an `UpstreamError` at once, on either loop; it
+    was a `RuntimeError` on uvloop (a write to a closed transport) and a wait without end on
+    asyncio's loop (the bytes dropped, the loss already reported)."""
+
+    async def close_at_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        return
+
+    async def main() -> None:
+        async with serving(close_at_once) as (url, accepted):
+            pool = UpstreamPool()
+            endpoint = Endpoint(f"{url}/v1/completions")
+            conn = await pool._connect(endpoint)
+            deadline = time.monotonic() + 5
+            while not conn.closed:
+                assert time.monotonic() < deadline, "the server's close never arrived"
+                await asyncio.sleep(0.01)
+            with pytest.raises(UpstreamError, match="before the request was sent"):
+                await asyncio.wait_for(conn.send(b"POST / HTTP/1.1\r\n\r\n", b""), 5)
+            assert pool.num_idle == 0 and pool.num_busy == 0
+            for _ in range(20):  # the whole race, through post: never anything but the error
+                with pytest.raises(UpstreamError):
+                    await asyncio.wait_for(pool.post(endpoint, b"{}", {}), 5)
+            assert pool.num_idle == 0 and pool.num_busy == 0
+            assert len(accepted) == 21  # a new connection each time, none tried twice
+            await pool.close()
+
+    run(main())
+
+
 def test_a_body_delimited_by_the_close_of_the_connection() -> None:
     """HTTP/1.0 style: no length, no chunks; the answer ends when the server closes. A close
     before the head, or one on a connection that carries a length, is still a failure."""

@@ -219,7 +219,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if exc is None and self.response is not None and self.response.status and self.until_eof:
             self.on_message_complete()  # a body without a length ends with the connection
-            return
+        # closed for good, never back in the pool (a no-op for the response just completed)
         self._lost(UpstreamError(f"connection closed: {exc!r}" if exc else "connection closed"))
 
     # -- httptools' callbacks --
@@ -294,16 +294,28 @@ class _Connection(asyncio.Protocol):
             response._fail(error)
 
     async def send(self, head: bytes, body: bytes) -> UpstreamResponse:
-        """Write the request and wait for the head of its answer."""
+        """Write the request and wait for the head of its answer. A connection that the
+        server has closed already (its loss seen before this, or the transport closing) fails
+        at once with `UpstreamError`, before any byte, as one that closes later does: the
+        pool retries either on a new connection."""
         assert self.transport is not None and self.response is None
+        self.got_bytes = False
+        if self.closed or self.transport.is_closing():
+            # uvloop's write raises RuntimeError on a closed transport; asyncio's drops the
+            # bytes, and the answer would be awaited forever (no loss left to report)
+            self.abort()
+            self.pool.forget(self)  # a new connection lost before this: out of the busy set
+            raise UpstreamError("connection closed before the request was sent")
         response = self.response = UpstreamResponse(self)
         headers = self.headers = self.loop.create_future()
-        self.got_bytes = False
         self.until_eof = True
         self.busy_since_s = self.pool.clock()
         self.pool.watch(self)
-        self.transport.write(head + body)
         try:
+            try:
+                self.transport.write(head + body)
+            except (RuntimeError, OSError) as exc:
+                self._lost(UpstreamError(f"cannot write to the replica: {exc!r}"))
             await headers
         except BaseException:
             # Cancelled (the replica ejected, the client gone) or failed. Drop the connection
@@ -374,7 +386,11 @@ class UpstreamPool:
         now = self.clock()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since_s < IDLE_KEEP_S:
+            if (
+                not conn.closed
+                and now - conn.idle_since_s < IDLE_KEEP_S
+                and not (conn.transport is not None and conn.transport.is_closing())
+            ):
                 self._busy.add(conn)
                 return conn
             conn.abort()
