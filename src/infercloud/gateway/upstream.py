@@ -452,8 +452,11 @@ class UpstreamPool:
 
     def _check(self, conn: _Connection) -> None:
         self._timers.pop(conn, None)
-        if conn.closed or conn.response is None:
+        if conn.response is None:
             return  # idle: the next request sets the timer again
+        if conn.closed:  # never expected (a loss fails the response); if so, end the wait
+            conn._lost(UpstreamError("connection closed"))
+            return
         silent_s = self.clock() - conn.busy_since_s
         if silent_s >= self.read_timeout_s:
             conn._lost(UpstreamTimeout(f"no data from the replica for {silent_s:.0f} s"))
