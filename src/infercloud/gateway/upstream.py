@@ -275,10 +275,18 @@ class _Connection(asyncio.Protocol):
         """Close at once (the replica sees a reset)."""
         self._close(reset=True)
 
+    @property
+    def is_open(self) -> bool:
+        """Neither closed here nor closing under us (its loss not yet reported): a request
+        may go out on it."""
+        return not self.closed and not (self.transport is not None and self.transport.is_closing())
+
     def _close(self, reset: bool) -> None:
+        """Close once; out of the pool's sets every time (also for a connection whose loss
+        came before the pool took it)."""
+        self.pool.forget(self)
         if not self.closed:
             self.closed = True
-            self.pool.forget(self)
             if self.transport is not None:
                 if reset:
                     self.transport.abort()
@@ -300,11 +308,10 @@ class _Connection(asyncio.Protocol):
         pool retries either on a new connection."""
         assert self.transport is not None and self.response is None
         self.got_bytes = False
-        if self.closed or self.transport.is_closing():
+        if not self.is_open:
             # uvloop's write raises RuntimeError on a closed transport; asyncio's drops the
             # bytes, and the answer would be awaited forever (no loss left to report)
             self.abort()
-            self.pool.forget(self)  # a new connection lost before this: out of the busy set
             raise UpstreamError("connection closed before the request was sent")
         response = self.response = UpstreamResponse(self)
         headers = self.headers = self.loop.create_future()
@@ -386,11 +393,7 @@ class UpstreamPool:
         now = self.clock()
         while idle:
             conn = idle.pop()
-            if (
-                not conn.closed
-                and now - conn.idle_since_s < IDLE_KEEP_S
-                and not (conn.transport is not None and conn.transport.is_closing())
-            ):
+            if conn.is_open and now - conn.idle_since_s < IDLE_KEEP_S:
                 self._busy.add(conn)
                 return conn
             conn.abort()
