@@ -148,6 +148,71 @@ def test_bad_input_gets_openai_error_and_server_goes_on(
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "error", "status"),
+    [
+        ({"model": "nope"}, openai.NotFoundError, 404),
+        ({"temperature": -1}, openai.BadRequestError, 400),
+        ({"max_tokens": 10**6}, openai.BadRequestError, 400),
+        ({"messages": [{"role": "user", "content": "hello " * 2000}]}, openai.BadRequestError, 400),
+        ({"messages": []}, openai.BadRequestError, 400),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, openai.BadRequestError, 400),
+        ({"top_logprobs": 50, "logprobs": True}, openai.BadRequestError, 400),
+    ],
+    ids=[
+        "unknown-model",
+        "temperature",
+        "max-tokens",
+        "long-prompt",
+        "no-messages",
+        "role",
+        "top-logprobs",
+    ],
+)
+def test_chat_bad_input_gets_openai_error_and_server_goes_on(
+    client: openai.OpenAI, kwargs: dict[str, object], error: type[Exception], status: int
+) -> None:
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        **kwargs,
+    }
+    with pytest.raises(error) as info:
+        client.chat.completions.create(**request)  # type: ignore[call-overload]
+    assert info.value.status_code == status  # type: ignore[attr-defined]
+    body = info.value.body  # type: ignore[attr-defined]
+    assert isinstance(body, dict) and body["message"]
+    ok = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "ok"}], max_tokens=2
+    )
+    assert ok.choices
+
+
+def test_chat_stream_reports_usage_in_a_last_chunk_without_choices(client: openai.OpenAI) -> None:
+    """`stream_options.include_usage`: one last chunk with empty `choices` and the usage; the
+    counts equal those of the same request not streamed."""
+    kwargs = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "Count to ten"}],
+        max_tokens=9,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+    chunks = list(
+        client.chat.completions.create(
+            stream=True, stream_options={"include_usage": True}, **kwargs
+        )  # type: ignore[call-overload]
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == 9
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+
+
 def test_malformed_json_and_oversized_body(tiny_server: EngineServer) -> None:
     url = tiny_server.base_url + "/v1/completions"
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
