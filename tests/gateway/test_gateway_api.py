@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,9 @@ def gateway(tiny_server: EngineServer, data_dir: Path) -> Iterator[EngineServer]
         "    price: {input_per_mtok: 1.0, cached_input_per_mtok: 0.5, output_per_mtok: 2.0}\n"
         "    replicas:\n"
         f"      - upstream: {{url: '{tiny_server.base_url}/v1', model: tiny}}\n"
+        "tenants:\n"
+        "  north: {cache_group: partners}\n"
+        "  south: {cache_group: partners}\n"
         "gateway: {max_body_bytes: 65536}\n"
     )
     args = ["--config", str(config), "--data-dir", str(data_dir), "--admin-key", ADMIN]
@@ -219,3 +223,45 @@ def test_requests_per_minute_limit(gateway: EngineServer, data_dir: Path) -> Non
     assert last.headers["x-ratelimit-remaining-requests"] == "0"
     records = cli(data_dir, "usage", "--tenant", "limited", "--json")
     assert sorted(r["status"] for r in records) == [200] * 5 + [429] * 3
+
+
+def cached_tokens(client: openai.OpenAI, prompt: str) -> int:
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=1)
+    assert out.usage is not None and out.usage.prompt_tokens_details is not None
+    return int(out.usage.prompt_tokens_details.cached_tokens or 0)
+
+
+def test_prefix_cache_is_isolated_by_tenant_and_shared_within_an_operators_group(
+    gateway: EngineServer, data_dir: Path
+) -> None:
+    """Tenant B sending tenant A's exact prompt gets no cached tokens, A sending it again does;
+    `north` and `south`, put in one cache group by the config, share theirs, and only with each
+    other (also when the client gives a `cache_salt`: then only with the same salt)."""
+    prompts = [f"{uuid.uuid4().hex} " + "the same long shared preamble " * 20 for _ in range(3)]
+    keys = {t: new_key(data_dir, t) for t in ("iso-a", "iso-b", "north", "south")}
+    clients = {t: client_for(gateway, k) for t, k in keys.items()}
+    try:
+        assert cached_tokens(clients["iso-a"], prompts[0]) == 0
+        assert cached_tokens(clients["iso-b"], prompts[0]) == 0
+        assert cached_tokens(clients["iso-a"], prompts[0]) > 0
+        assert cached_tokens(clients["north"], prompts[0]) == 0
+
+        assert cached_tokens(clients["north"], prompts[1]) == 0
+        assert cached_tokens(clients["south"], prompts[1]) > 0
+        assert cached_tokens(clients["iso-a"], prompts[1]) == 0
+
+        salted = {"cache_salt": "project-x"}
+        first = clients["north"].completions.create(
+            model="tiny", prompt=prompts[2], max_tokens=1, extra_body=salted
+        )
+        assert first.usage is not None and first.usage.prompt_tokens_details is not None
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert cached_tokens(clients["south"], prompts[2]) == 0  # no salt: another namespace
+        again = clients["south"].completions.create(
+            model="tiny", prompt=prompts[2], max_tokens=1, extra_body=salted
+        )
+        assert again.usage is not None and again.usage.prompt_tokens_details is not None
+        assert (again.usage.prompt_tokens_details.cached_tokens or 0) > 0
+    finally:
+        for client in clients.values():
+            client.close()

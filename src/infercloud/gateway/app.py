@@ -889,7 +889,8 @@ class Gateway:
             deadline_s=now + self.config.gateway.queue_timeout_s,
         )
         await self.admit(flight, deployment, ticket)
-        salt = caller.tenant if body.cache_salt is None else f"{caller.tenant}/{body.cache_salt}"
+        namespace = self.config.cache_namespace(caller.tenant)
+        salt = namespace if body.cache_salt is None else f"{namespace}/{body.cache_salt}"
         session_key = body.user or request_headers.get(deployment.routing.session_header.lower())
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
         replica_set = self.replica_sets[deployment.name]

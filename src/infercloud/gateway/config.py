@@ -9,7 +9,9 @@ the gateway's own settings (queueing, tenants' limits and weights).
           - upstream: {url: "http://127.0.0.1:9000", model: served-name}
         max_inflight_per_replica: 32
     tenants:
-      acme: {weight: 2, rpm: 600, tpm: 200000, max_concurrent: 64, budget_usd: 100}
+      acme: {weight: 2, rpm: 600, tpm: 200000, max_concurrent: 64, budget_usd: 100,
+             cache_group: acme}
+      acme-eu: {cache_group: acme}   # shares acme's prefix cache, and only acme's
     gateway: {max_queued: 512, queue_timeout_s: 30, budget_period: month}
 
 A builtin replica is our own engine, started by the gateway as a subprocess; an upstream is any
@@ -143,6 +145,11 @@ class TenantLimits(_Strict):
     tpm: int | None = Field(default=None, ge=1)
     max_concurrent: int | None = Field(default=None, ge=1)
     budget_usd: float | None = Field(default=None, ge=0)
+    cache_group: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.@-]+$"
+    )
+    """A prefix-cache group named by the operator: tenants in one group share cached prompt
+    blocks (and can so time each other's prompts); a tenant in none shares with no one."""
 
 
 class GatewaySettings(_Strict):
@@ -170,6 +177,15 @@ class DeploymentConfig(_Strict):
 
     def model(self, name: str) -> ModelDeployment | None:
         return next((m for m in self.models if m.name == name), None)
+
+    def cache_namespace(self, tenant: str) -> str:
+        """The prefix-cache salt of a tenant's requests: `group:NAME` for a tenant the operator
+        put in a cache group, else the tenant's own name. Tenant names (`KeyCreate`) have no
+        `:`, so a tenant's namespace never equals a group's."""
+        limits = self.tenants.get(tenant)
+        if limits is not None and limits.cache_group is not None:
+            return f"group:{limits.cache_group}"
+        return tenant
 
     @classmethod
     def load(cls, path: Path) -> DeploymentConfig:
