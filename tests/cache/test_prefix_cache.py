@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import numpy.typing as npt
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -424,6 +425,29 @@ def test_value_policy_keeps_queued_demand_first_the_soonest_needed_highest() -> 
     stats.queue_head_order = 3.0
     p = ValueAwarePolicy().priorities(stats, np.arange(4), 2.0)
     assert p[0] <= 1.0 < 2.0 < p[1] < p[3] < p[2] == 3.0
+
+
+def test_value_policy_weighs_reuse_by_the_recompute_cost_of_the_blocks_depth() -> None:
+    """Two blocks alike but for depth: with a depth cost the deeper (dearer to recompute) is
+    kept, by the ratio of their costs; a queued request's block stays above both, also when
+    ranked in a call of its own (as an eviction ranks a parent's chain)."""
+    stats = BlockStats.empty(3)
+    for block, depth in enumerate((1, 200, 2)):
+        stats.record_insert(block, depth, 100 + block, 0.0)
+        stats.record_finish([block], request_class(False, 20_000, 10))
+    stats.record_eviction([0], 50.0)
+    flat = ValueAwarePolicy().priorities(stats, np.arange(2), 10.0)
+    assert flat[0] == flat[1] > 0
+    policy = ValueAwarePolicy(depth_cost_per_block=0.02)
+    weighted = policy.priorities(stats, np.arange(2), 10.0)
+    assert weighted[1] / weighted[0] == pytest.approx((1 + 0.02 * 200) / (1 + 0.02 * 1))
+    stats.waiting[2], stats.wanted_order[2] = 1, 9.0
+    stats.queue_head_order = 3.0
+    steep = ValueAwarePolicy(depth_cost_per_block=1000.0)
+    rank = steep.ranking(stats, 10.0)
+    unwanted = rank(np.arange(2))
+    assert unwanted.max() > 3.0  # above where a queued request's block ranks without a cost
+    assert rank(np.array([2]))[0] > unwanted.max()
 
 
 class _Memory:

@@ -337,18 +337,28 @@ class ValueAwarePolicy:
                   idle_at_eviction_s`; `min_horizon_s` at least): the time a kept block has;
       priority  = P(used within the horizon | not used for `age`)
                 = p (S_s(age) - S_s(age + horizon)) / (p S_s(age) + 1 - p),   in [0, 1];
+      value     = priority x (1 + `depth_cost_per_block` x depth): the prefill compute a
+                  kept block is expected to save, since recomputing a block costs more the deeper
+                  it sits in its prompt (its tokens attend to every key before them);
     and a block that a queued request will match (`BlockStats.waiting`: demand the engine
     sees before the cache does, certain) ranks above all of those, the one needed soonest
     highest, as Belady's rule would over the visible part of the future:
-      priority  = 2 + 1 / (1 + how far its first waiting request is behind the queue's head,
-                               in queue order: requests under FCFS),  in (2, 3].
-    Every block holds the same bytes, so a probability per block orders as one per byte.
+      value     = top + 1 / (1 + how far its first waiting request is behind the queue's head,
+                             in queue order: requests under FCFS),
+    with `top` above every unwanted block's value (2 + `depth_cost_per_block` x the deepest
+    block's depth). How many queued requests want a block
+    does not raise it further: evicting it costs one recompute whatever the count, since the
+    first of them stores it again for the others.
+    Every block holds the same bytes, so a value per block orders as one per byte held.
     The policy reads no clock and no future: only `stats` and the `now_s` it is given.
     """
 
     prior_visits: float = 20.0
     """Pseudo-visits (and pseudo-gaps) pulling a state with little history to the average."""
     min_horizon_s: float = 1.0
+    depth_cost_per_block: float = 0.0
+    """The model's extra recompute cost per block of depth (`ModelSpec.depth_cost_per_block`);
+    0: every block costs the same."""
     name: str = "value"
     learns_outcomes: bool = True
     reads_waiting: bool = True
@@ -368,6 +378,9 @@ class ValueAwarePolicy:
         p_state = (reused + self.prior_visits * overall) / (entered + self.prior_visits)
         edges_state = survival_edges(stats.gap_hits, self.prior_visits)
         horizon_s = max(self.min_horizon_s, stats.idle_at_eviction_s)
+        # above any unwanted block's value (at most 1 + depth_cost_per_block x depth), the same
+        # for every set of candidates this ranking is given
+        top = 2.0 + self.depth_cost_per_block * float(stats.depth.max(initial=0))
 
         def rank(candidates: IntArray) -> FloatArray:
             state = stats.state(candidates)
@@ -376,13 +389,15 @@ class ValueAwarePolicy:
             age_s = now_s - stats.last_access_s[candidates]
             s_now = survival(edges, age_s)
             s_end = survival(edges, age_s + horizon_s)
-            soon: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
+            value: FloatArray = p * (s_now - s_end) / (p * s_now + 1.0 - p)
+            if self.depth_cost_per_block:
+                value *= 1.0 + self.depth_cost_per_block * stats.depth[candidates]
             wanted = stats.waiting[candidates] > 0
             if not wanted.any():
-                return soon
-            # unwanted blocks have wanted_order inf: 1 / (1 + inf) = 0, and `soon` is taken
+                return value
+            # unwanted blocks have wanted_order inf: 1 / (1 + inf) = 0, and `value` is taken
             behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
-            return np.where(wanted, 2.0 + 1.0 / (1.0 + behind), soon)
+            return np.where(wanted, top + 1.0 / (1.0 + behind), value)
 
         return rank
 
@@ -444,12 +459,16 @@ class BeladyPolicy:
 
 
 def make_policy(
-    name: str, future_uses: Mapping[int, Sequence[float]] | None = None
+    name: str,
+    future_uses: Mapping[int, Sequence[float]] | None = None,
+    depth_cost_per_block: float = 0.0,
 ) -> EvictionPolicy:
+    """`depth_cost_per_block`: the model's (`ModelSpec.depth_cost_per_block`), for the value
+    policy's recompute cost; the others ignore it."""
     if name == "lru":
         return LRUPolicy()
     if name == "value":
-        return ValueAwarePolicy()
+        return ValueAwarePolicy(depth_cost_per_block=depth_cost_per_block)
     if name == "belady":
         if future_uses is None:
             raise ValueError("the belady policy needs the future: it is for trace replays only")

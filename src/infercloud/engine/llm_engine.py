@@ -45,6 +45,7 @@ from infercloud.engine.scheduler import ScheduledChunk, Scheduler
 from infercloud.engine.step_meter import StepMeter
 from infercloud.engine.step_shape import StepShape
 from infercloud.models.registry import resolve_model
+from infercloud.sim.model_specs import ModelSpec
 
 KV_EVENTS_KEPT = 10_000
 
@@ -233,7 +234,12 @@ class LLMEngine:
             PrefixCache(
                 self.block_pool,
                 config.block_size,
-                make_policy(config.eviction_policy),
+                make_policy(
+                    config.eviction_policy,
+                    depth_cost_per_block=ModelSpec.from_config(
+                        str(self.model_path), self.model_config, self.max_model_len
+                    ).depth_cost_per_block(config.block_size),
+                ),
                 on_event=self._record_kv_event,
             )
             if config.enable_prefix_caching

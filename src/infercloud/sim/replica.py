@@ -117,7 +117,9 @@ class SimReplica:
             PrefixCache(
                 self.pool,
                 block_size,
-                make_policy(eviction),
+                make_policy(
+                    eviction, depth_cost_per_block=perf.model.depth_cost_per_block(block_size)
+                ),
                 on_event=(lambda e: on_kv_event(name, e)) if on_kv_event else None,
             )
             if prefix_caching
