@@ -72,6 +72,7 @@ def test_pool_invariants_under_random_operations(ops: list[tuple[str, int]]) -> 
         assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
         for block in range(pool.num_blocks):
             assert pool.ref_count(block) == held.count(block)
+        pool.check_invariants()
 
 
 def test_kv_cache_manager_grows_tables_by_blocks() -> None:

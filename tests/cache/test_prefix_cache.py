@@ -288,9 +288,9 @@ def test_tree_and_pool_invariants_under_random_traffic(
             rid = sorted(open_requests)[which % len(open_requests)]
             salt, tokens = open_requests.pop(rid)
             kv.cache_blocks(rid, salt, lambda a, b, t=tokens: t[a:b], len(tokens), now)
-            cache.check_invariants()
+            kv.check_invariants()
             kv.free(rid)
-        cache.check_invariants()
+        kv.check_invariants()  # ref counts = tables + tree; the tree's and the pool's own
         for rid in open_requests:
             for b in kv.block_table(rid):
                 assert cache.pool.ref_count(b) >= 1  # no evicted block in use
@@ -333,7 +333,7 @@ def test_lru_standing_ranking_evicts_as_ranking_everything_each_time(
                 kv.free(open_requests[which % len(open_requests)])
             elif op == "evict":
                 evicted.append([n.block_id for n in cache.evict(which + 1, now)])
-            cache.check_invariants()
+            kv.check_invariants()
         if op == "add" and ok:
             open_requests.append(f"r{step}")
         elif op == "free" and open_requests:
@@ -396,7 +396,7 @@ def test_waiting_counts_follow_the_queue_under_random_traffic(
             del queued[rid]
         elif op == "evict":
             cache.evict(which + 1, now)
-        cache.check_invariants()
+        kv.check_invariants()
         for block in range(12):
             node = cache.node_of(block)
             if node is None:

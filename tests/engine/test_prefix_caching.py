@@ -9,6 +9,7 @@ import torch
 
 from infercloud.engine.llm import LLM
 from infercloud.engine.model_config import ModelConfig
+from infercloud.engine.outputs import RequestOutput
 from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import SchedulerConfig
 from tests.engine.test_correctness import reference_greedy
@@ -58,7 +59,20 @@ def test_cache_survives_eviction_and_preemption(tiny_model_dir: Path) -> None:
     llm = LLM(str(tiny_model_dir), kv_cache_bytes=96 << 10, scheduler=scheduler)
     prompts = shared_prefix_prompts(llm.engine.model_config.vocab_size) * 2
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    step = llm.engine.step
+    steps = 0
+
+    def checked_step() -> list[RequestOutput]:
+        """A step, then every block's ref count = the block tables + the tree holding it."""
+        nonlocal steps
+        outputs = step()
+        llm.engine.kv_cache.check_invariants()
+        steps += 1
+        return outputs
+
+    llm.engine.step = checked_step  # type: ignore[method-assign]
     got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert steps > 0
     assert llm.engine.stats().prefix_cache_evicted_blocks > 0
     assert llm.engine.scheduler.num_preemptions > 0
     unique = shared_prefix_prompts(llm.engine.model_config.vocab_size)
@@ -67,7 +81,7 @@ def test_cache_survives_eviction_and_preemption(tiny_model_dir: Path) -> None:
     # requests took the lowest unused ids, moving idle cached blocks (and their keys and
     # values) out of the way, and the hits on moved blocks still gave the reference's tokens
     assert llm.engine.prefix_cache.num_moved_blocks > 0
-    llm.engine.prefix_cache.check_invariants()
+    llm.engine.kv_cache.check_invariants()
     assert llm.engine.kv_cache.num_available_blocks == llm.engine.block_pool.num_blocks
 
 

@@ -72,6 +72,21 @@ class BlockPool:
             self._ref_counts[block_id] = 1
         return blocks
 
+    def check_invariants(self) -> None:
+        """Assert the module's invariants (for tests), counted from the ref counts, not from
+        the free list's length: the free ids are distinct, each with no reference, and every
+        other id has at least one; the free list is a heap."""
+        assert len(set(self._free)) == len(self._free), "an id is free twice"
+        free = set(self._free)
+        for block_id, refs in enumerate(self._ref_counts):
+            assert (refs == 0) == (block_id in free), f"block {block_id}: {refs} refs, free list"
+        assert all(
+            self._free[i] <= self._free[c]
+            for i in range(len(self._free))
+            for c in (2 * i + 1, 2 * i + 2)
+            if c < len(self._free)
+        )
+
     def retain(self, block_id: int) -> None:
         """Add a reference to a block that is already in use (sharing)."""
         if self._ref_counts[block_id] <= 0:

@@ -338,6 +338,26 @@ class KVCacheManager:
             return salt_hash(salt)
         return tail.block_hash
 
+    def check_invariants(self) -> None:
+        """Assert the invariants (for tests): the pool's and the prefix cache's own, and that
+        every block's reference count is exactly the block tables holding it plus one if the
+        prefix cache holds it: no block is used by nobody, none is lost, none double-freed."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_invariants()
+        else:
+            self.block_pool.check_invariants()
+        holders = [0] * self.block_pool.num_blocks
+        for table in self._tables.values():
+            for block in table:
+                holders[block] += 1
+        if self.prefix_cache is not None:
+            for block in range(self.block_pool.num_blocks):
+                if self.prefix_cache.node_of(block) is not None:
+                    holders[block] += 1
+        for block, count in enumerate(holders):
+            refs = self.block_pool.ref_count(block)
+            assert refs == count, f"block {block}: {refs} refs, {count} holders"
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

@@ -716,7 +716,7 @@ class PrefixCache:
     def check_invariants(self) -> None:
         """Assert the module's invariants (for tests)."""
         pool = self.pool
-        assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
+        pool.check_invariants()
         idle = 0
         for block, node in self._by_block.items():
             ref = pool.ref_count(block)
