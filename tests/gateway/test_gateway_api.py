@@ -48,6 +48,7 @@ def gateway(tiny_server: EngineServer, data_dir: Path) -> Iterator[EngineServer]
         "tenants:\n"
         "  north: {cache_group: partners}\n"
         "  south: {cache_group: partners}\n"
+        "  capped: {rpm: 2}\n"
         "gateway: {max_body_bytes: 65536}\n"
     )
     args = ["--config", str(config), "--data-dir", str(data_dir), "--admin-key", ADMIN]
@@ -188,6 +189,22 @@ def test_revoked_key_fails_on_its_next_request(gateway: EngineServer, data_dir: 
     r = httpx.get(gateway.base_url + "/admin/keys", headers={"authorization": "Bearer x"})
     assert r.status_code == 401
 
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    second = httpx.post(gateway.base_url + "/admin/keys", json={"tenant": "temp"}, headers=admin)
+    key_id = second.json()["key_id"]
+    with client_for(gateway, second.json()["key"]) as client:
+        client.completions.create(model="tiny", prompt="x", max_tokens=1)
+        r = httpx.delete(f"{gateway.base_url}/admin/keys/{key_id}", headers=admin)
+        assert r.status_code == 200 and r.json() == {"key_id": key_id, "revoked": True}
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model="tiny", prompt="x", max_tokens=1)
+    r = httpx.delete(f"{gateway.base_url}/admin/keys/{key_id}", headers=admin)
+    assert r.status_code == 404 and error_of(r)["code"] == "key_not_found"
+    listed = cli(data_dir, "keys", "list", "--tenant", "temp")
+    assert {k["key_id"] for k in listed} == {created["key_id"], key_id}
+    assert all(k["revoked_at_s"] is not None and "secret_sha256" not in k for k in listed)
+    assert all(created["key"] not in json.dumps(k) for k in listed)
+
 
 def test_a_tenant_reads_only_its_own_usage(gateway: EngineServer, data_dir: Path) -> None:
     key_a, key_b = new_key(data_dir, "tenant-a"), new_key(data_dir, "tenant-b")
@@ -265,3 +282,75 @@ def test_prefix_cache_is_isolated_by_tenant_and_shared_within_an_operators_group
     finally:
         for client in clients.values():
             client.close()
+
+
+def post_completion(gateway: EngineServer, key: str, **body: Any) -> httpx.Response:
+    return httpx.post(
+        gateway.base_url + "/v1/completions",
+        json={"model": "tiny", "prompt": "x", "max_tokens": 1, **body},
+        headers={"authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+
+
+def test_tokens_per_minute_count_the_real_prompt_and_the_actual_output(
+    gateway: EngineServer, data_dir: Path
+) -> None:
+    """A key of 120 tokens per minute: each request takes its prompt's tokens (from the real
+    tokenizer) when it starts and its output's when it ends, so 30 generated tokens a request
+    exhaust the bucket in a few requests (counting prompts alone would admit 120 / prompt).
+    A prompt over the whole limit is refused at once, with no Retry-After: waiting cannot help."""
+    key = new_key(data_dir, "metered-tokens", "--tpm", "120")
+    statuses: list[int] = []
+    prompt_tokens = 0
+    for _ in range(12):
+        r = post_completion(gateway, key, prompt="count the tokens", max_tokens=30, ignore_eos=True)
+        statuses.append(r.status_code)
+        if r.status_code != 200:
+            break
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        assert r.json()["usage"]["completion_tokens"] == 30
+    admitted = statuses.count(200)
+    assert statuses[-1] == 429 and 2 <= admitted <= 120 // (prompt_tokens + 30) + 2, statuses
+    assert admitted < 120 // prompt_tokens  # the output was counted
+    assert error_of(r)["code"] == "rate_limit_exceeded"
+    assert r.headers["x-ratelimit-limit-tokens"] == "120"
+    assert int(r.headers["x-ratelimit-remaining-tokens"]) < prompt_tokens
+    assert int(r.headers["retry-after"]) >= 1
+
+    big = new_key(data_dir, "metered-tokens", "--tpm", "120")
+    r = post_completion(gateway, big, prompt="many words " * 100)
+    assert r.status_code == 429 and error_of(r)["code"] == "request_too_large"
+    assert r.headers["x-ratelimit-limit-tokens"] == "120" and "retry-after" not in r.headers
+    records = cli(data_dir, "usage", "--tenant", "metered-tokens", "--json")
+    assert sorted(r["status"] for r in records) == sorted([*statuses, 429])
+
+
+def test_a_spent_budget_refuses_until_the_next_period(
+    gateway: EngineServer, data_dir: Path
+) -> None:
+    """A key with a budget of $0.00001 (the model costs $1 / $2 per million prompt / output
+    tokens): its first request spends more than that, the next is refused with
+    `insufficient_quota` and a Retry-After that points at the start of next month."""
+    key = new_key(data_dir, "spender", "--budget-usd", "0.00001")
+    first = post_completion(gateway, key, prompt="spend it all now", max_tokens=8, ignore_eos=True)
+    assert first.status_code == 200
+    r = post_completion(gateway, key)
+    assert r.status_code == 429 and error_of(r)["code"] == "insufficient_quota"
+    assert 1 <= int(r.headers["retry-after"]) <= 31 * 86400
+    records = cli(data_dir, "usage", "--tenant", "spender", "--json")
+    assert sorted(r["status"] for r in records) == [200, 429]
+    assert records[0]["cost_usd"] + records[1]["cost_usd"] > 0.00001
+
+
+def test_a_tenants_limit_in_the_config_binds_all_its_keys_together(
+    gateway: EngineServer, data_dir: Path
+) -> None:
+    """`tenants: {capped: {rpm: 2}}`: two keys of that tenant, with no limits of their own,
+    share its 2 requests per minute."""
+    one, two = new_key(data_dir, "capped"), new_key(data_dir, "capped")
+    assert post_completion(gateway, one).status_code == 200
+    assert post_completion(gateway, two).status_code == 200
+    r = post_completion(gateway, one)
+    assert r.status_code == 429 and r.headers["x-ratelimit-limit-requests"] == "2"
+    assert post_completion(gateway, new_key(data_dir, "uncapped")).status_code == 200

@@ -72,3 +72,21 @@ def test_redis_limits_are_shared_between_clients() -> None:
             await b.close()
 
     assert asyncio.run(go()) == 50
+
+
+def test_a_budget_period_ends_where_the_next_begins() -> None:
+    """UTC days and calendar months, December into January included."""
+    import datetime as dt
+
+    from infercloud.gateway.app import period_end_s, period_start_s
+
+    def at(*args: int) -> float:
+        return dt.datetime(*args, tzinfo=dt.UTC).timestamp()
+
+    assert period_end_s(at(2026, 12, 7, 21, 30), "month") == at(2027, 1, 1)
+    assert period_end_s(at(2026, 2, 28, 23, 59), "month") == at(2026, 3, 1)
+    assert period_end_s(at(2026, 12, 31, 23, 59), "day") == at(2027, 1, 1)
+    for t in (at(2026, 1, 31, 12), at(2026, 12, 1)):
+        for period in ("day", "month"):
+            end = period_end_s(t, period)
+            assert period_start_s(end, period) == end > t >= period_start_s(t, period)

@@ -3,7 +3,8 @@
 One request's path, in order (each step can refuse it with an OpenAI error body):
   1. authenticate the bearer key (401), find the model (404);
   2. limits of its key and its tenant: requests and tokens per minute, concurrent requests,
-     budget for the period (429 with Retry-After and `x-ratelimit-*` headers);
+     budget for the period (429 with `x-ratelimit-*` headers, and Retry-After wherever waiting
+     helps: the bucket's refill, a slot, the budget's next period);
   3. admission: start now, wait in its priority class, or be shed (503 with Retry-After);
   4. route to a replica of the model (`router.replica_set`, the deployment's policy), with the
      tenant's cache salt, and for builtin replicas the class as the engine's priority; a replica
@@ -129,6 +130,15 @@ def period_start_s(now_s: float, period: str) -> float:
     if period == "month":
         start = start.replace(day=1)
     return start.timestamp()
+
+
+def period_end_s(now_s: float, period: str) -> float:
+    """End of the budget period that contains `now_s` (the start of the next one)."""
+    start = dt.datetime.fromtimestamp(period_start_s(now_s, period), tz=dt.UTC)
+    if period == "month":
+        year, month = divmod(start.month, 12)  # month 12 -> January of the next year
+        return start.replace(year=start.year + year, month=month + 1).timestamp()
+    return (start + dt.timedelta(days=1)).timestamp()
 
 
 @dataclass(slots=True)
@@ -628,7 +638,8 @@ class Gateway:
         tokens_seen: Decision | None = None
         for scope, rpm, tpm, max_concurrent, budget in scopes:
             if budget is not None:
-                period = period_start_s(self.wall_clock(), self.config.gateway.budget_period)
+                now_s = self.wall_clock()
+                period = period_start_s(now_s, self.config.gateway.budget_period)
                 key = f"{scope}:{int(period)}"
                 spent = await self.limits.spend(key)
                 if spent is None:
@@ -646,6 +657,12 @@ class Gateway:
                         f"budget of {budget:.2f} USD for this {self.config.gateway.budget_period} "
                         f"is spent ({spent:.4f} USD)",
                         code="insufficient_quota",
+                        headers={
+                            **headers,
+                            **_retry_after(
+                                period_end_s(now_s, self.config.gateway.budget_period) - now_s
+                            ),
+                        },
                     )
                 flight.spend_keys.append(key)
             if rpm is not None:
@@ -667,11 +684,14 @@ class Gateway:
                     headers.update(h)
             if tpm is not None:
                 if prompt_tokens > tpm:
+                    # No Retry-After: waiting cannot make the prompt fit (OpenAI answers such
+                    # a request with 429 too, and its limit).
                     raise Refusal(
                         429,
                         f"Request too large: {prompt_tokens} prompt tokens, "
                         f"limit {tpm} per minute.",
                         code="request_too_large",
+                        headers={**headers, "x-ratelimit-limit-tokens": str(tpm)},
                     )
                 d = await self.limits.take(f"{scope}:tpm", tpm, tpm / 60.0, prompt_tokens)
                 h = {
