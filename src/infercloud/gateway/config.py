@@ -64,6 +64,9 @@ class UpstreamReplica(_Strict):
     model: str | None = None
     """The model name the upstream serves (defaults to the deployment's name)."""
     api_key: str | None = None
+    priority: bool = False
+    """The upstream schedules by a request's `priority` field (vLLM started with
+    `--scheduling-policy priority`, or our own engine): send each request's class there."""
 
 
 MEMORY_USD_PER_GIB_HOUR = 0.004237

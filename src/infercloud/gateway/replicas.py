@@ -43,6 +43,11 @@ class Replica:
     served_model: str
     builtin: bool
     api_key: str | None = None
+    takes_priority: bool = False
+    """Whether requests carry their class as `priority` (0 interactive, 1 standard, 2 batch;
+    lower goes first, as in vLLM): always for our own engine, for an upstream where the config
+    says it schedules by priority (vLLM with `--scheduling-policy priority` refuses the field
+    otherwise)."""
     process: ReplicaProcess | None = None
     log_path: Path | None = None
 
@@ -64,6 +69,7 @@ def upstream(deployment: ModelDeployment, index: int, spec: UpstreamReplica) -> 
         spec.model or deployment.name,
         builtin=False,
         api_key=spec.api_key,
+        takes_priority=spec.priority,
     )
 
 
