@@ -11,7 +11,10 @@ seconds each, POSTing a streamed chat completion (16 chunks + usage) to
 Reports requests per second and p50 / p99 latency, and each gateway's added p50 / p99 over the
 stub's.
 
-    .venv/bin/python benchmarks/gateway_overhead.py [--duration 15] [--out F]
+    .venv/bin/python benchmarks/gateway_overhead.py [--duration 15] [--rounds 3] [--out F]
+
+With `--rounds N` each concurrency runs the targets N times, alternating (stub, infercloud,
+LiteLLM, stub, ...), and reports medians: this machine's noise moves one 15 s run by 5-20%.
 
 Needs `wrk` (Debian: apt-get install wrk) and, for the LiteLLM column,
 `python3 -m venv .bench-venvs/litellm && .bench-venvs/litellm/bin/pip install 'litellm[proxy]'`.
@@ -25,11 +28,13 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -125,10 +130,30 @@ def wrk(url: str, key: str, connections: int, duration_s: int, work: Path) -> di
     }
 
 
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over the rounds (added latencies: of each round's own
+    difference to the stub), and every round's figures under `rounds` when there are several."""
+    out: dict[str, Any] = {
+        field: statistics.median(r[field] for r in runs)
+        for field, value in runs[0].items()
+        if isinstance(value, int | float)
+    }
+    out["socket_errors"] = "; ".join(sorted({r["socket_errors"] for r in runs} - {""}))
+    if len(runs) > 1:
+        out["rounds"] = runs
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=int, default=15)
     parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of each target per concurrency, alternating; figures are their medians",
+    )
     parser.add_argument(
         "--out", type=Path, default=ROOT / "benchmarks" / "results" / "gateway_overhead.json"
     )
@@ -212,18 +237,21 @@ def main() -> None:
         else:
             print(f"no LiteLLM at {LITELLM}: its column is skipped", file=sys.stderr)
 
-        results: dict[str, dict[str, dict[str, float]]] = {}
+        results: dict[str, dict[str, Any]] = {}
         for c in (int(x) for x in args.concurrency.split(",")):
-            row: dict[str, dict[str, float]] = {}
-            for name, (url, k) in targets.items():
-                wrk(url, k, c, 3, work)  # warm up
-                row[name] = wrk(url, k, c, args.duration, work)
-                print(f"c={c} {name}: {json.dumps(row[name])}", flush=True)
-            floor = row["stub"]
-            for name in targets:
-                if name != "stub":
-                    row[name]["added_p50_ms"] = row[name]["p50_ms"] - floor["p50_ms"]
-                    row[name]["added_p99_ms"] = row[name]["p99_ms"] - floor["p99_ms"]
+            rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in targets}
+            for i in range(args.rounds):
+                for name, (url, k) in targets.items():
+                    wrk(url, k, c, 3, work)  # warm up
+                    rounds[name].append(wrk(url, k, c, args.duration, work))
+                    print(f"c={c} round {i} {name}: {json.dumps(rounds[name][-1])}", flush=True)
+                floor = rounds["stub"][-1]
+                for name in targets:
+                    if name != "stub":  # against the stub's run of the same round
+                        m = rounds[name][-1]
+                        m["added_p50_ms"] = m["p50_ms"] - floor["p50_ms"]
+                        m["added_p99_ms"] = m["p99_ms"] - floor["p99_ms"]
+            row: dict[str, Any] = {name: summarize(runs) for name, runs in rounds.items()}
             if "litellm" in row:
                 row["ratios"] = {
                     "infercloud_over_litellm_rps": row["infercloud"]["requests_per_s"]

@@ -18,16 +18,19 @@ from infercloud.engine.sampling_params import SamplingParams
 from infercloud.engine.scheduler import SchedulerConfig
 
 
-def reference_greedy(model_dir: Path, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def reference_greedy(
+    model_dir: Path, prompts: list[list[int]], num_tokens: int, device: str = "cpu"
+) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = model.to(device).eval()
     outputs = []
     with torch.no_grad():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=num_tokens,
                 do_sample=False,
                 pad_token_id=0,
@@ -57,7 +60,7 @@ CPU_KERNELS = [
 ]
 
 
-@pytest.mark.parametrize(
+CASES = pytest.mark.parametrize(
     ("kv_cache_bytes", "scheduler", "expect_preemption"),
     [
         (4 << 20, SchedulerConfig(), False),
@@ -74,6 +77,9 @@ CPU_KERNELS = [
     ],
     ids=["batched", "chunked-prefill", "preemption"],
 )
+
+
+@CASES
 @pytest.mark.parametrize("cpu_kernels", CPU_KERNELS)
 def test_tiny_model_matches_transformers(
     tiny_model_dir: Path,
@@ -97,6 +103,31 @@ def test_tiny_model_matches_transformers(
     assert (llm.engine.scheduler.num_preemptions > 0) == expect_preemption
     # Every block is free or idle in the prefix cache: nothing is held by a finished request.
     assert llm.engine.kv_cache.num_available_blocks == llm.engine.block_pool.num_blocks
+
+
+@CASES
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_tiny_model_on_cuda_matches_transformers_on_cuda(
+    tiny_model_dir: Path,
+    kv_cache_bytes: int,
+    scheduler: SchedulerConfig,
+    expect_preemption: bool,
+) -> None:
+    """The same engine code on a GPU (where one is present; `benchmarks/cuda_check.py` is the
+    fuller check): float32 with TF32 off, against transformers on the same device."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        llm = LLM(
+            str(tiny_model_dir), kv_cache_bytes=kv_cache_bytes, scheduler=scheduler, device="cuda"
+        )
+        prompts = varied_prompts(llm.engine.model_config.vocab_size, [1, 5, 17, 33, 48, 60])
+        got = engine_greedy(llm, prompts, 24)
+        assert got == reference_greedy(tiny_model_dir, prompts, 24, device="cuda")
+        assert (llm.engine.scheduler.num_preemptions > 0) == expect_preemption
+        assert llm.engine.kv_cache.num_available_blocks == llm.engine.block_pool.num_blocks
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 @pytest.mark.slow
