@@ -37,12 +37,15 @@ def add_access_log_arg(p: argparse.ArgumentParser) -> None:
 
 def uvicorn_options(args: argparse.Namespace) -> dict[str, Any]:
     """The HTTP server's options from `--host`, `--port`, `--log-level`, `--access-log`."""
+    from infercloud.gateway.http_protocol import GatewayHttpProtocol
+
     return {
         "host": args.host,
         "port": args.port,
         "log_level": args.log_level,
         "access_log": args.access_log,
         "server_header": False,  # no `server: uvicorn` on every answer
+        "http": GatewayHttpProtocol,
     }
 
 
