@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import math
 import uuid
 
 import pytest
 
+from infercloud.gateway.app import period_end_s, period_start_s
 from infercloud.gateway.limits import LocalLimits, RedisLimits, take
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -76,9 +78,6 @@ def test_redis_limits_are_shared_between_clients() -> None:
 
 def test_a_budget_period_ends_where_the_next_begins() -> None:
     """UTC days and calendar months, December into January included."""
-    import datetime as dt
-
-    from infercloud.gateway.app import period_end_s, period_start_s
 
     def at(*args: int) -> float:
         return dt.datetime(*args, tzinfo=dt.UTC).timestamp()
