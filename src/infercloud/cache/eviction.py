@@ -378,9 +378,6 @@ class ValueAwarePolicy:
         p_state = (reused + self.prior_visits * overall) / (entered + self.prior_visits)
         edges_state = survival_edges(stats.gap_hits, self.prior_visits)
         horizon_s = max(self.min_horizon_s, stats.idle_at_eviction_s)
-        # above any unwanted block's value (at most 1 + depth_cost_per_block x depth), the same
-        # for every set of candidates this ranking is given
-        top = 2.0 + self.depth_cost_per_block * float(stats.depth.max(initial=0))
 
         def rank(candidates: IntArray) -> FloatArray:
             state = stats.state(candidates)
@@ -395,6 +392,9 @@ class ValueAwarePolicy:
             wanted = stats.waiting[candidates] > 0
             if not wanted.any():
                 return value
+            # above any unwanted block's value (at most 1 + depth_cost_per_block x depth), the
+            # same for every set of candidates (`stats` does not change during a ranking)
+            top = 2.0 + self.depth_cost_per_block * float(stats.depth.max(initial=0))
             # unwanted blocks have wanted_order inf: 1 / (1 + inf) = 0, and `value` is taken
             behind = np.maximum(stats.wanted_order[candidates] - stats.queue_head_order, 0.0)
             return np.where(wanted, top + 1.0 / (1.0 + behind), value)

@@ -984,7 +984,7 @@ class Gateway:
         payload = body.forwarded()
         payload["model"] = replica.served_model
         payload["cache_salt"] = salt
-        if replica.builtin or replica.takes_priority:
+        if replica.takes_priority:
             payload["priority"] = CLASSES.index(flight.ticket.priority)
         if body.stream:
             payload["stream_options"] = {

@@ -51,6 +51,9 @@ class Replica:
     process: ReplicaProcess | None = None
     log_path: Path | None = None
 
+    def __post_init__(self) -> None:
+        self.takes_priority = self.takes_priority or self.builtin
+
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.process is not None:
             self.process.stop(timeout_s)
