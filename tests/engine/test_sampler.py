@@ -49,13 +49,15 @@ def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does() -> None:
 
 
 @pytest.mark.skipif(not load_kernels(), reason=f"CPU kernels: {load_error()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width", [1, 7, 16, 17, 33, 49152])
-def test_greedy_kernel_agrees_with_max_indices(width: int) -> None:
+def test_greedy_kernel_agrees_with_max_indices(width: int, dtype: torch.dtype) -> None:
     """Ties among few distinct values, NaNs early and late, +inf, rows of -inf, widths around
-    the kernel's 16 lanes and its tail: the same index as `max(dim=-1).indices`."""
+    the kernel's 16 lanes and its tail: the same index as `max(dim=-1).indices` (bfloat16
+    logits: as on their float32 copy)."""
     generator = torch.Generator().manual_seed(width)
     for trial in range(40):
-        x = torch.randint(-3, 4, (6, width), generator=generator).float()
+        x = torch.randint(-3, 4, (6, width), generator=generator).to(dtype)
         noise = torch.rand(x.shape, generator=generator)
         if trial % 4 == 1:
             x[noise < 0.05] = float("nan")
@@ -64,10 +66,40 @@ def test_greedy_kernel_agrees_with_max_indices(width: int) -> None:
         elif trial % 4 == 3:
             x[:3] = float("-inf")
         got = torch.ops.infercloud.greedy_tokens(x)
-        assert torch.equal(got, x.max(dim=-1).indices), (trial, x, got)
-    x = torch.zeros(2, width)
+        assert torch.equal(got, x.float().max(dim=-1).indices), (trial, x, got)
+    x = torch.zeros(2, width, dtype=dtype)
     x[1, -1] = float("nan")  # a NaN in the last lane or the tail still wins
     assert torch.ops.infercloud.greedy_tokens(x).tolist() == [0, width - 1]
+    if width > 1:  # values that differ only below bfloat16's 8 bits of mantissa stay tied
+        y = torch.full((1, width), 1.0, dtype=dtype)
+        y[0, -1] = 1.0078125  # the next bfloat16 after 1.0
+        assert torch.ops.infercloud.greedy_tokens(y).tolist() == [width - 1]
+
+
+@pytest.mark.skipif(not load_kernels(), reason=f"CPU kernels: {load_error()}")
+def test_bfloat16_logits_sample_as_their_float32_copy() -> None:
+    """The model hands over bfloat16 logits: a batch of greedy rows takes its argmax on them
+    directly, and every other batch (a sampled row, logprobs, suppressed tokens) is widened
+    first; either way the same tokens and logprobs as from the float32 copy."""
+    x = logits(n=4, vocab=300, seed=3).to(torch.bfloat16)
+    greedy = row(SamplingParams(temperature=0))
+    wide = sample(x.float(), [greedy] * 4, greedy_kernel=True)
+    assert sample(x.clone(), [greedy] * 4, greedy_kernel=True).token_ids == wide.token_ids
+    assert wide.token_ids == x.float().argmax(-1).tolist()
+
+    def rows() -> list[SamplingRow]:  # fresh generators for each run
+        return [
+            greedy,
+            row(SamplingParams(temperature=0.8), seed=5),
+            row(SamplingParams(logprobs=2)),
+            row(SamplingParams(temperature=0), suppressed=(int(wide.token_ids[3]),)),
+        ]
+
+    got = sample(x.clone(), rows(), greedy_kernel=True)
+    want = sample(x.float(), rows(), greedy_kernel=True)
+    assert got.token_ids == want.token_ids
+    assert got.token_ids[3] != wide.token_ids[3]
+    assert got.logprobs == want.logprobs
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy() -> None:

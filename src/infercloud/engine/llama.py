@@ -276,13 +276,14 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Returns float32 logits `[len(logits_rows), vocab_size]`."""
+        """Returns logits `[len(logits_rows), vocab_size]` in the model's dtype (the sampler
+        widens them to float32 where it needs more than an argmax)."""
         hidden = self.embed_tokens(input_ids)
         if self.fused:
             if not self._layers_stacked(hidden, positions, kv_caches, meta):
                 hidden = self._layers_fused(hidden, positions, kv_caches, meta)
             last = self.norm(hidden.index_select(0, logits_rows))
-            return self.lm_head(last).float()  # type: ignore[no-any-return]
+            return self.lm_head(last)  # type: ignore[no-any-return]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             assert isinstance(layer, DecoderLayer)
             attn_out = layer.self_attn(
@@ -291,7 +292,7 @@ class LlamaModel(nn.Module):
             hidden = hidden + attn_out
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = self.norm(hidden.index_select(0, logits_rows))
-        return self.lm_head(last).float()  # type: ignore[no-any-return]
+        return self.lm_head(last)  # type: ignore[no-any-return]
 
     def _layers_stacked(
         self,

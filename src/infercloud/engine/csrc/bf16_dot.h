@@ -16,14 +16,17 @@
 namespace infercloud_vec {
 
 // acc[m][t] += sum over p < pairs of x[m][2p..2p+1] . tile t's vector p. `prefetch_pairs` > 0
-// asks for each tile's line that many pairs ahead (tiles streamed from memory).
+// asks for each tile's line that many pairs ahead (tiles streamed from memory). `side`, where
+// given, is a tile of `pairs` 64-byte lines that the caller will read next: iteration p asks
+// for its line p into L2, so that a later pass finds the tile there.
 template <int MR, int NR>
 inline void dot_pairs(const c10::BFloat16* x, int64_t ldx, int64_t pairs,
                       const c10::BFloat16* tiles, int64_t tile_stride, int64_t prefetch_pairs,
-                      __m512 (&acc)[MR][NR]) {
+                      __m512 (&acc)[MR][NR], const c10::BFloat16* side = nullptr) {
   const int32_t* xp[MR];
   for (int m = 0; m < MR; ++m) xp[m] = reinterpret_cast<const int32_t*>(x + m * ldx);
   for (int64_t p = 0; p < pairs; ++p) {
+    if (side != nullptr) __builtin_prefetch(side + p * 32, 0, 2);
     __m512bh w[NR];
     for (int t = 0; t < NR; ++t) {
       const c10::BFloat16* wt = tiles + t * tile_stride + p * 32;

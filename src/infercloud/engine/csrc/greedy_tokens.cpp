@@ -1,4 +1,6 @@
-// Greedy sampling's choice for every row of float32 logits: the index of the row's maximum,
+// Greedy sampling's choice for every row of logits (float32, or bfloat16 as the model's
+// vocabulary projection writes them: each value widened exactly, so the same index as on the
+// float32 copy, without making the copy): the index of the row's maximum,
 // with torch's tie and NaN rules (`logits.max(dim=-1).indices`): the first of equal maxima
 // wins, a NaN beats every number (the first NaN wins), and a row of -inf gives 0.
 //
@@ -12,10 +14,14 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <c10/util/BFloat16.h>
+
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
+#include "vec_math.h"
+
+#if defined(INFERCLOUD_VEC_LANES)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -23,23 +29,26 @@
 
 namespace {
 
-int64_t scalar_argmax(const float* row, int64_t begin, int64_t end, int64_t best, float peak) {
+template <typename T>
+int64_t scalar_argmax(const T* row, int64_t begin, int64_t end, int64_t best, float peak) {
   for (int64_t i = begin; i < end; ++i) {
-    if (std::isnan(row[i])) return i;
-    if (row[i] > peak) {
-      peak = row[i];
+    const float x = static_cast<float>(row[i]);
+    if (std::isnan(x)) return i;
+    if (x > peak) {
+      peak = x;
       best = i;
     }
   }
   return best;
 }
 
-int64_t row_argmax(const float* row, int64_t width) {
-#if defined(__AVX512F__)
+template <typename T>
+int64_t row_argmax(const T* row, int64_t width) {
+#if INFERCLOUD_VEC_LANES == 16
   if (width >= 16) {
     // Per lane: the largest value seen and the first index holding it (a later equal value
     // does not replace it: the comparison is strict).
-    __m512 peak = _mm512_loadu_ps(row);
+    __m512 peak = infercloud_vec::vload(row);
     __m512i best = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     __mmask16 nan = _mm512_cmp_ps_mask(peak, peak, _CMP_UNORD_Q);
     __m512i index = best;
@@ -47,7 +56,7 @@ int64_t row_argmax(const float* row, int64_t width) {
     int64_t i = 16;
     for (; i + 16 <= width && nan == 0; i += 16) {
       index = _mm512_add_epi32(index, step);
-      const __m512 x = _mm512_loadu_ps(row + i);
+      const __m512 x = infercloud_vec::vload(row + i);
       nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
       const __mmask16 greater = _mm512_cmp_ps_mask(x, peak, _CMP_GT_OQ);
       peak = _mm512_mask_mov_ps(peak, greater, x);
@@ -60,10 +69,10 @@ int64_t row_argmax(const float* row, int64_t width) {
     const int64_t first = _mm512_mask_reduce_min_epi32(holders, best);
     return scalar_argmax(row, i, width, first, top);
   }
-#elif defined(__AVX2__)
+#elif INFERCLOUD_VEC_LANES == 8
   if (width >= 8) {
     // The same scan, 8 lanes at a time, with comparison masks and blends.
-    __m256 peak = _mm256_loadu_ps(row);
+    __m256 peak = infercloud_vec::vload(row);
     __m256i best = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     int nan = _mm256_movemask_ps(_mm256_cmp_ps(peak, peak, _CMP_UNORD_Q));
     __m256i index = best;
@@ -71,7 +80,7 @@ int64_t row_argmax(const float* row, int64_t width) {
     int64_t i = 8;
     for (; i + 8 <= width && nan == 0; i += 8) {
       index = _mm256_add_epi32(index, step);
-      const __m256 x = _mm256_loadu_ps(row + i);
+      const __m256 x = infercloud_vec::vload(row + i);
       nan = _mm256_movemask_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
       const __m256 greater = _mm256_cmp_ps(x, peak, _CMP_GT_OQ);
       peak = _mm256_blendv_ps(peak, x, greater);
@@ -92,21 +101,31 @@ int64_t row_argmax(const float* row, int64_t width) {
   }
 #endif
   if (width == 0) return 0;
-  if (std::isnan(row[0])) return 0;
-  return scalar_argmax(row, 1, width, 0, row[0]);
+  const float first = static_cast<float>(row[0]);
+  if (std::isnan(first)) return 0;
+  return scalar_argmax(row, 1, width, 0, first);
 }
 
-at::Tensor greedy_tokens(const at::Tensor& logits) {
-  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
-              "greedy_tokens: logits must be contiguous float32 [rows, vocab]");
-  TORCH_CHECK(logits.size(1) > 0, "greedy_tokens: empty vocabulary");
+template <typename T>
+void argmax_rows(const at::Tensor& logits, int64_t* chosen) {
   const int64_t rows = logits.size(0), width = logits.size(1);
-  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
-  const float* data = logits.data_ptr<float>();
-  int64_t* chosen = out.data_ptr<int64_t>();
+  const T* data = logits.data_ptr<T>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) chosen[r] = row_argmax(data + r * width, width);
   });
+}
+
+at::Tensor greedy_tokens(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  (logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kBFloat16),
+              "greedy_tokens: logits must be contiguous float32 or bfloat16 [rows, vocab]");
+  TORCH_CHECK(logits.size(1) > 0, "greedy_tokens: empty vocabulary");
+  at::Tensor out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  if (logits.scalar_type() == at::kFloat) {
+    argmax_rows<float>(logits, out.data_ptr<int64_t>());
+  } else {
+    argmax_rows<c10::BFloat16>(logits, out.data_ptr<int64_t>());
+  }
   return out;
 }
 
