@@ -2,14 +2,15 @@
 oneDNN's packed kernel (`PackedLinear`), on SmolLM2-135M's linear shapes, torch's default threads.
 
     .venv/bin/python benchmarks/linear_kernel.py [--dtype bfloat16|float32] [--rows 1 8 32 512]
-        [--stream]
+        [--stream] [--fma]
 
 Prints the time per call and GFLOP/s of each, and the largest difference between the two
 outputs (they may differ in the last bit: another summation order). Ours runs on the AMX tile
-unit where the CPU has one; `--no-tiles` keeps it on vdpbf16ps. Weights are hot in cache, except
-with `--stream`: then each path runs a decode step's worth of linear layers (30 layers of four
-projections and the vocabulary projection, each weight once, about 270 MB), as a decode step
-reads them from memory, and the time per step is printed.
+unit where the CPU has one; `--no-tiles` keeps it on vdpbf16ps; `--fma` runs bfloat16 weights on
+float32 multiply-adds (the path the engine picks where vdpbf16ps is slow). Weights are hot in
+cache, except with `--stream`: then each path runs a decode step's worth of linear layers (30
+layers of four projections and the vocabulary projection, each weight once, about 270 MB), as
+a decode step reads them from memory, and the time per step is printed.
 """
 
 from __future__ import annotations
@@ -75,13 +76,20 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 512])
     parser.add_argument("--no-tiles", dest="tiles", action="store_false")
     parser.add_argument("--stream", action="store_true", help="a decode step's weights, cold")
+    parser.add_argument(
+        "--fma",
+        action="store_true",
+        help="bfloat16 weights on float32 multiply-adds (the path for CPUs with a slow vdpbf16ps)",
+    )
     args = parser.parse_args()
     keep_freed_memory()  # as the engine does: no fresh pages for every call's buffers
     dtype = getattr(torch, args.dtype)
     if not (load_kernels() and has_kernel_gemm(dtype)):
         raise SystemExit(f"no {args.dtype} GEMM of ours here: {load_error() or 'CPU lacks it'}")
     tiles = args.tiles and dtype == torch.bfloat16 and bool(torch.ops.infercloud.has_linear_tiles())
-    path = "AMX tiles" if tiles else "vdpbf16ps" if dtype == torch.bfloat16 else "FMA"
+    fma = args.fma and dtype == torch.bfloat16 and not tiles
+    torch.ops.infercloud.set_linear_bf16_fma(fma)
+    path = "AMX tiles" if tiles else "vdpbf16ps" if dtype == torch.bfloat16 and not fma else "FMA"
     print(f"threads {torch.get_num_threads()}, {args.dtype}, ours on {path}")
     if args.stream:
         weights = [torch.randn(shape, dtype=dtype) * 0.02 for shape in _step_shapes()]

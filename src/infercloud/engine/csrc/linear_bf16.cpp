@@ -195,8 +195,8 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
 // last bit of an output can differ between the two paths.
 template <int MR, int NR, bool kSilu = false>
 inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const c10::BFloat16* w_tiles,
-                         int64_t tile_stride, c10::BFloat16* y, int64_t ldy,
-                         int64_t valid_cols) {
+                         int64_t tile_stride, c10::BFloat16* y, int64_t ldy, int64_t valid_cols,
+                         const c10::BFloat16* side = nullptr) {
   static_assert(!kSilu || NR == 2, "a SiLU group is one gate tile and one up tile");
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
@@ -204,6 +204,7 @@ inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const c10::BFlo
   const int64_t pairs = (k + 1) / 2;
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < pairs; ++p) {
+    if (side != nullptr) __builtin_prefetch(side + p * 32, 0, 2);
     __m512 lo[NR], hi[NR];
     for (int t = 0; t < NR; ++t) {
       const c10::BFloat16* wt = w_tiles + t * tile_stride + p * 32;
@@ -244,24 +245,14 @@ void rows_by_tiles(const X* x, int64_t ldx, int64_t rows, int64_t k,
   };
   int64_t r = 0;
   for (; r + kMR <= rows; r += kMR) {
-    if constexpr (std::is_same_v<X, c10::BFloat16>) {
-      micro_kernel<kMR, NR, kSilu>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
-                                   valid_cols, side(r / kMR));
-    } else {
-      micro_kernel<kMR, NR, kSilu>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
-                                   valid_cols);
-    }
+    micro_kernel<kMR, NR, kSilu>(x + r * ldx, ldx, k, w_tiles, tile_stride, y + r * ldy, ldy,
+                                 valid_cols, side(r / kMR));
   }
   const X* xr = x + r * ldx;
   c10::BFloat16* yr = y + r * ldy;
   auto tail = [&](auto mr) {
-    if constexpr (std::is_same_v<X, c10::BFloat16>) {
-      micro_kernel<decltype(mr)::value, NR, kSilu>(xr, ldx, k, w_tiles, tile_stride, yr, ldy,
-                                                   valid_cols, side(r / kMR));
-    } else {
-      micro_kernel<decltype(mr)::value, NR, kSilu>(xr, ldx, k, w_tiles, tile_stride, yr, ldy,
-                                                   valid_cols);
-    }
+    micro_kernel<decltype(mr)::value, NR, kSilu>(xr, ldx, k, w_tiles, tile_stride, yr, ldy,
+                                                 valid_cols, side(r / kMR));
   };
   switch (rows - r) {
     case 0: break;
