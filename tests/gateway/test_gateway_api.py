@@ -200,7 +200,7 @@ def test_revoked_key_fails_on_its_next_request(gateway: EngineServer, data_dir: 
             client.completions.create(model="tiny", prompt="x", max_tokens=1)
     r = httpx.delete(f"{gateway.base_url}/admin/keys/{key_id}", headers=admin)
     assert r.status_code == 404 and error_of(r)["code"] == "key_not_found"
-    listed = cli(data_dir, "keys", "list", "--tenant", "temp")
+    listed = cli(data_dir, "keys", "list", "--tenant", "temp", "--json")
     assert {k["key_id"] for k in listed} == {created["key_id"], key_id}
     assert all(k["revoked_at_s"] is not None and "secret_sha256" not in k for k in listed)
     assert all(created["key"] not in json.dumps(k) for k in listed)
@@ -219,6 +219,26 @@ def test_a_tenant_reads_only_its_own_usage(gateway: EngineServer, data_dir: Path
         gateway.base_url + "/v1/usage", headers={"authorization": f"Bearer {key_b}"}
     ).json()["data"]
     assert data_b == []
+
+
+def test_no_key_can_be_made_for_the_admin_tenant(gateway: EngineServer, data_dir: Path) -> None:
+    """Requests made with the admin key are recorded under the tenant "admin": a key of that
+    tenant would read them through /v1/usage, so neither the CLI nor the admin API makes one."""
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    body = {"model": "tiny", "prompt": "admin's own request", "max_tokens": 1}
+    assert httpx.post(gateway.base_url + "/v1/completions", json=body, headers=admin).is_success
+    create = ["keys", "create", "--tenant", "admin", "--json", "--data-dir", str(data_dir)]
+    out = subprocess.run(
+        [sys.executable, "-m", "infercloud", *create],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and "reserved" in out.stderr and out.stdout == ""
+    r = httpx.post(gateway.base_url + "/admin/keys", json={"tenant": "admin"}, headers=admin)
+    assert r.status_code in (400, 422)
+    error = error_of(r)
+    assert error["type"] == "invalid_request_error" and "reserved" in error["message"]
+    assert all(k["tenant"] != "admin" for k in cli(data_dir, "keys", "list", "--json"))
 
 
 def test_requests_per_minute_limit(gateway: EngineServer, data_dir: Path) -> None:

@@ -82,7 +82,7 @@ def test_rpm_limit_is_shared_across_two_gateways(
     key = make_key(database_url, tenant, "--rpm", "50")
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
 
-    async def fire() -> list[int]:
+    async def fire() -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=400)
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             responses = await asyncio.gather(
@@ -95,11 +95,18 @@ def test_rpm_limit_is_shared_across_two_gateways(
                     for i in range(200)
                 )
             )
-        return [r.status_code for r in responses]
+        return list(responses)
 
-    statuses = asyncio.run(fire())
+    responses = asyncio.run(fire())
+    statuses = [r.status_code for r in responses]
     assert statuses.count(200) == 50
     assert statuses.count(429) == 150
+    for r in responses:  # every refusal says when to come back, and what the limit is
+        if r.status_code == 429:
+            assert float(r.headers["retry-after"]) > 0
+            assert r.headers["x-ratelimit-limit-requests"] == "50"
+            assert r.headers["x-ratelimit-remaining-requests"] == "0"
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
     # exactly one usage record per request, written by whichever gateway served it
     rows = records(database_url, tenant)
     assert len(rows) == 200

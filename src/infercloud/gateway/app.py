@@ -64,6 +64,7 @@ from infercloud.gateway.config import DeploymentConfig, ModelDeployment, TenantL
 from infercloud.gateway.hot_path import GatewayApp, HotPath, new_request_id
 from infercloud.gateway.limits import Decision, Limits
 from infercloud.gateway.protocol import (
+    ADMIN_TENANT,
     INT32_MAX,
     ChatCompletionRequest,
     CompletionRequest,
@@ -87,8 +88,6 @@ from infercloud.server.errors import (
 )
 
 log = logging.getLogger("infercloud.gateway")
-
-ADMIN_TENANT = "admin"
 
 
 @dataclass(frozen=True, slots=True)

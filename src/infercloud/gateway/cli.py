@@ -79,6 +79,7 @@ def add_commands(sub: Any) -> None:
     add_storage_args(create)
     listing = keys_sub.add_parser("list", help="list keys (never their secrets)")
     listing.add_argument("--tenant", default=None)
+    listing.add_argument("--json", action="store_true", help="a JSON list, one object per key")
     add_storage_args(listing)
     revoke = keys_sub.add_parser("revoke", help="revoke a key by its id")
     revoke.add_argument("key_id")
@@ -143,7 +144,17 @@ def keys_command(args: argparse.Namespace) -> int:
                 print(out["key"])
             return 0
         if args.keys_command == "list":
-            print(json.dumps([k.public() for k in store.list_keys(args.tenant)], indent=1))
+            keys = [k.public() for k in store.list_keys(args.tenant)]
+            if args.json:
+                print(json.dumps(keys))
+            for k in [] if args.json else keys:
+                limits = ", ".join(
+                    f"{name} {k[name]}"
+                    for name in ("rpm", "tpm", "max_concurrent", "budget_usd")
+                    if k[name] is not None
+                )
+                state = "revoked" if k["revoked_at_s"] is not None else "active"
+                print(f"{k['key_id']}\t{k['tenant']}\t{k['priority']}\t{state}\t{limits}")
             return 0
         if args.keys_command == "revoke":
             if not store.revoke_key(args.key_id, time.time()):

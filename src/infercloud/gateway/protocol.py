@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 INT32_MAX = 2**31 - 1
 """Limits are stored in 32-bit integer columns, and token counts are at most that too."""
@@ -87,6 +87,11 @@ class CompletionRequest(GenerationRequest):
         return self.max_tokens
 
 
+ADMIN_TENANT = "admin"
+"""The tenant that requests made with the admin key are recorded under; no key can be made for
+it, so that no tenant's key reads the admin key's usage."""
+
+
 class KeyCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -96,6 +101,13 @@ class KeyCreate(BaseModel):
     max_concurrent: int | None = Field(default=None, ge=1, le=INT32_MAX)
     priority: str = Field(default="standard", pattern=r"^(interactive|standard|batch)$")
     budget_usd: float | None = Field(default=None, ge=0, le=1e12, allow_inf_nan=False)
+
+    @field_validator("tenant")
+    @classmethod
+    def _not_the_admin_tenant(cls, tenant: str) -> str:
+        if tenant == ADMIN_TENANT:
+            raise ValueError(f"the tenant name {ADMIN_TENANT!r} is reserved for the admin key")
+        return tenant
 
 
 Layer = Literal["model", "context", "runtime", "hardware", "routing", "verifier"]
