@@ -192,7 +192,7 @@ inline void micro_kernel(const c10::BFloat16* x, int64_t ldx, int64_t k,
 // low halves (k = 2p: shifted up 16 bits) and its high halves (k = 2p + 1: masked), which is
 // their exact value, so a product is exact and each multiply-add rounds once. The sums run
 // k = 2p then 2p + 1, where vdpbf16ps adds the pair's two products to the sum at once, so the
-// last bit of an output can differ between the two paths.
+// last bit of an output can differ between the two paths. `side` as in the kernel above.
 template <int MR, int NR, bool kSilu = false>
 inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const c10::BFloat16* w_tiles,
                          int64_t tile_stride, c10::BFloat16* y, int64_t ldy, int64_t valid_cols,
@@ -228,9 +228,9 @@ inline void micro_kernel(const float* x, int64_t ldx, int64_t k, const c10::BFlo
 // for none): while block b = 1 .. NR runs, it asks for tile b - 1 of the next group into L2,
 // one line per k pair, so that the next group's first block does not wait on memory. Before,
 // in a decode step of 32 rows (4 blocks of 8), the first block streamed the weights at four
-// times the rate the group's work needs: the linear layers read memory at 22 GB/s of the 46
-// the machine has, and took 12.3 ms against 9.8 ms with the weights in cache; with this, 28
-// GB/s and 9.4-9.8 ms (benchmarks/linear_kernel.py --stream --rows 32, a Zen 5 EPYC). A
+// times the rate the group's work needs: the linear layers read memory at 22 GB/s where a
+// plain read reaches 80, and took 12.3 ms against 9.8 ms with the weights in cache; with this,
+// 26-29 GB/s and 9.4-10.3 ms (benchmarks/linear_kernel.py --stream --rows 32, a Zen 5 EPYC). A
 // single block (8 rows or fewer) has no later pass to hide the next group behind; with two
 // (16 rows) only the first tile is asked for (asking for all three in that one pass, with a
 // loop over the side tiles in the inner loop, made 32 rows slower: 10.1-10.7 ms).
