@@ -204,6 +204,15 @@ def test_revoked_key_fails_on_its_next_request(gateway: EngineServer, data_dir: 
     assert {k["key_id"] for k in listed} == {created["key_id"], key_id}
     assert all(k["revoked_at_s"] is not None and "secret_sha256" not in k for k in listed)
     assert all(created["key"] not in json.dumps(k) for k in listed)
+    listing = ["keys", "list", "--tenant", "temp", "--data-dir", str(data_dir)]
+    text = subprocess.run(
+        [sys.executable, "-m", "infercloud", *listing],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    lines = sorted(line.split("\t")[:4] for line in text.splitlines())
+    assert lines == sorted([k["key_id"], "temp", k["priority"], "revoked"] for k in listed)
 
 
 def test_a_tenant_reads_only_its_own_usage(gateway: EngineServer, data_dir: Path) -> None:

@@ -147,7 +147,8 @@ def keys_command(args: argparse.Namespace) -> int:
             keys = [k.public() for k in store.list_keys(args.tenant)]
             if args.json:
                 print(json.dumps(keys))
-            for k in [] if args.json else keys:
+                return 0
+            for k in keys:  # one line per key: id, tenant, class, state, limits
                 limits = ", ".join(
                     f"{name} {k[name]}"
                     for name in ("rpm", "tpm", "max_concurrent", "budget_usd")
