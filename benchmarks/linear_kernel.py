@@ -88,7 +88,8 @@ def main() -> None:
         raise SystemExit(f"no {args.dtype} GEMM of ours here: {load_error() or 'CPU lacks it'}")
     tiles = args.tiles and dtype == torch.bfloat16 and bool(torch.ops.infercloud.has_linear_tiles())
     fma = args.fma and dtype == torch.bfloat16 and not tiles
-    torch.ops.infercloud.set_linear_bf16_fma(fma)
+    if fma:  # (the switch exists only where the CPU has AVX512-BF16)
+        torch.ops.infercloud.set_linear_bf16_fma(True)
     path = "AMX tiles" if tiles else "vdpbf16ps" if dtype == torch.bfloat16 and not fma else "FMA"
     print(f"threads {torch.get_num_threads()}, {args.dtype}, ours on {path}")
     if args.stream:

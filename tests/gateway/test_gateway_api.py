@@ -21,14 +21,17 @@ from tests.conftest import EngineServer
 ADMIN = "ic-admin-test-key"
 
 
-def cli(data_dir: Path, *args: str) -> Any:
-    out = subprocess.run(
+def run_cli(data_dir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [sys.executable, "-m", "infercloud", *args, "--data-dir", str(data_dir)],
         capture_output=True,
         text=True,
-        check=True,
+        check=check,
     )
-    return json.loads(out.stdout)
+
+
+def cli(data_dir: Path, *args: str) -> Any:
+    return json.loads(run_cli(data_dir, *args).stdout)
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +207,7 @@ def test_revoked_key_fails_on_its_next_request(gateway: EngineServer, data_dir: 
     assert {k["key_id"] for k in listed} == {created["key_id"], key_id}
     assert all(k["revoked_at_s"] is not None and "secret_sha256" not in k for k in listed)
     assert all(created["key"] not in json.dumps(k) for k in listed)
-    listing = ["keys", "list", "--tenant", "temp", "--data-dir", str(data_dir)]
-    text = subprocess.run(
-        [sys.executable, "-m", "infercloud", *listing],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    text = run_cli(data_dir, "keys", "list", "--tenant", "temp").stdout
     lines = sorted(line.split("\t")[:4] for line in text.splitlines())
     assert lines == sorted([k["key_id"], "temp", k["priority"], "revoked"] for k in listed)
 
@@ -236,12 +233,7 @@ def test_no_key_can_be_made_for_the_admin_tenant(gateway: EngineServer, data_dir
     admin = {"authorization": f"Bearer {ADMIN}"}
     body = {"model": "tiny", "prompt": "admin's own request", "max_tokens": 1}
     assert httpx.post(gateway.base_url + "/v1/completions", json=body, headers=admin).is_success
-    create = ["keys", "create", "--tenant", "admin", "--json", "--data-dir", str(data_dir)]
-    out = subprocess.run(
-        [sys.executable, "-m", "infercloud", *create],
-        capture_output=True,
-        text=True,
-    )
+    out = run_cli(data_dir, "keys", "create", "--tenant", "admin", "--json", check=False)
     assert out.returncode == 2 and "reserved" in out.stderr and out.stdout == ""
     r = httpx.post(gateway.base_url + "/admin/keys", json={"tenant": "admin"}, headers=admin)
     assert r.status_code in (400, 422)
