@@ -76,6 +76,12 @@ using namespace infercloud_vec;
 // 160 tokens, stay in L2). Measured on 30 layers of 32 sequences at 160 tokens, blocks scattered
 // over a 1 GiB pool: 13.5 ms per step without, 6.7 ms with (2, 4 or 8 ahead alike); inside the
 // engine 187 -> 126 us per layer.
+//
+// The prefetches fill L2, not L1 (prefetcht1): a core has few L1 miss buffers, and with one per
+// line in flight they, not the memory, capped how fast a task's blocks came in. On a Zen 4
+// EPYC (32 GB/s read, 2026-12-08): inside the engine 200-240 -> 140-170 us per layer (the
+// decode step's attention 6.1-7.2 -> 4.1-5.1 ms), scattered blocks 425-509 -> 241-301 us per
+// layer; with the keys hot, no change. 8 blocks ahead instead of 4 gained nothing.
 constexpr int64_t kPrefetchBlocks = 4;
 
 // Where a task's block b starts in one layer's cache, and a prefetch of a whole block.
@@ -94,7 +100,7 @@ struct TaskBlocks {
     const char* p = reinterpret_cast<const char*>(of(base, b));
     // asm volatile: GCC 12 drops a loop of _mm_prefetch calls behind the bounds check above.
     for (int64_t off = 0; off < block_stride * static_cast<int64_t>(sizeof(T)); off += 64) {
-      asm volatile("prefetcht0 %0" : : "m"(*(p + off)));
+      asm volatile("prefetcht1 %0" : : "m"(*(p + off)));
     }
   }
   // The K pass: fn(first, count, key_block) for each block in turn (its first position, its
