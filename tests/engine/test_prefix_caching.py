@@ -174,3 +174,60 @@ def test_copy_blocks_moves_every_layer_and_head_of_a_block(tiny_model_dir: Path)
     assert torch.equal(after[:, :, :, 1], view[:, :, :, 3])
     untouched = [b for b in range(runner.num_blocks) if b not in (1, 5)]
     assert torch.equal(after[:, :, :, untouched], view[:, :, :, untouched])
+
+
+def test_second_tier_loads_or_recomputes_by_the_measured_speeds(tiny_model_dir: Path) -> None:
+    """`host_cache_load="auto"`: the engine feeds its step times and copy times to the cost model
+    and asks it, per hit, whether loading from the host beats recomputing. Copies made to look
+    slow give a recompute; made to look free, a load; the output is the same either way."""
+    config = ModelConfig.from_folder(tiny_model_dir)
+    block_bytes = 16 * config.kv_bytes_per_token * 4  # float32
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=5 * block_bytes,
+        host_cache_bytes=64 * block_bytes,
+        host_cache_load="auto",
+    )
+    second = llm.engine.second_tier
+    assert second is not None and not second.always_load
+    cost = second.cost
+    assert cost.copy_s_per_block is not None  # timed at start (HostKVStore.calibrate)
+    a, b = distinct_prompts(config.vocab_size, 2, 57)
+    cold = reference_greedy(tiny_model_dir, [a, b], 12)
+    assert [llm.generate([p], GREEDY)[0].token_ids for p in (a, b)] == cold  # a -> host
+    assert cost.coefficients() is not None  # fitted from the steps the engine observed
+
+    cost.observe_copy(1, 1e3)  # copies now look slow: recompute a
+    again = llm.generate([a], GREEDY)[0]
+    assert again.token_ids == cold[0] and again.num_cached_tokens == 0
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_loaded_from_host == 0 and stats.host_cache_hits_tokens == 0
+
+    cost.observe_copy(10**12, 0.0)  # and now free: b (pushed to the host by a) is loaded
+    measured = cost.copy_s_per_block
+    again = llm.generate([b], GREEDY)[0]
+    assert again.token_ids == cold[1] and again.num_cached_tokens == 48
+    assert llm.engine.stats().kv_blocks_loaded_from_host == 3
+    assert cost.copy_s_per_block != measured  # the load's own time was observed
+
+
+def test_a_full_host_tier_evicts_and_reports_it(tiny_model_dir: Path) -> None:
+    """A host tier of 4 blocks cannot keep the prefixes of three prompts: it evicts, counts the
+    evictions and publishes `removed` events for the host medium."""
+    config = ModelConfig.from_folder(tiny_model_dir)
+    block_bytes = 16 * config.kv_bytes_per_token * 4
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=5 * block_bytes,
+        host_cache_bytes=4 * block_bytes,
+        host_cache_load="always",
+    )
+    for prompt in distinct_prompts(config.vocab_size, 3, 57):
+        llm.generate([prompt], GREEDY)
+    stats = llm.engine.stats()
+    assert stats.kv_blocks_saved_to_host >= 6 and stats.host_cache_evicted_blocks >= 2
+    assert stats.host_cache_blocks <= 4
+    host = [event for _, event in llm.engine.kv_events if event.medium == "host"]
+    stored = {h for e in host if e.kind == "stored" for h in e.block_hashes}
+    removed = [h for e in host if e.kind == "removed" for h in e.block_hashes]
+    assert len(removed) == stats.host_cache_evicted_blocks and set(removed) <= stored
