@@ -232,6 +232,9 @@ def test_malformed_json_and_oversized_body(tiny_server: EngineServer) -> None:
 
 
 def test_metrics_use_vllm_names(tiny_server: EngineServer) -> None:
+    # one request first: labelled histograms have no samples until something is served
+    body = {"model": "tiny", "prompt": "ok", "max_tokens": 2}
+    assert httpx.post(tiny_server.base_url + "/v1/completions", json=body).is_success
     text = httpx.get(tiny_server.base_url + "/metrics").text
     for name in (
         "infercloud:time_to_first_token_seconds_bucket",

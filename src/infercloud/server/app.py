@@ -83,7 +83,14 @@ def build_engine_app(config: EngineConfig) -> tuple[FastAPI, AsyncEngine]:
     """
     llm = LLMEngine(config)
     engine = AsyncEngine(llm)
-    metrics = EngineMetrics(lambda: engine.stats, llm.model_name)
+    runner = llm.runner
+    cache_config = {
+        "block_size": str(runner.block_size),
+        "num_blocks": str(runner.num_blocks),
+        "cache_dtype": str(runner.dtype).removeprefix("torch."),
+        "kv_cache_bytes": str(config.kv_cache_bytes),
+    }
+    metrics = EngineMetrics(lambda: engine.stats, llm.model_name, cache_config=cache_config)
     engine.output_listeners.append(metrics.observe)
     return create_app(engine, llm.model_name, metrics), engine
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -140,9 +140,20 @@ class EngineMetrics:
         stats: Callable[[], EngineStats],
         model_name: str,
         clock: Callable[[], float] = time.monotonic,
+        cache_config: dict[str, str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_StatsCollector(stats, model_name))
+        if cache_config:
+            # vLLM's cache_config_info: the KV cache's settings as labels of a constant 1
+            names = sorted(cache_config)
+            info = Gauge(
+                "infercloud:cache_config_info",
+                "Information of the KV cache's configuration.",
+                ["model_name", *names],
+                registry=self.registry,
+            )
+            info.labels(model_name, *(cache_config[n] for n in names)).set(1)
         self._clock = clock
         self._model = model_name
         labels = ["model_name"]
