@@ -11,7 +11,8 @@ transformers `generate` with static batches (in process; no server, so only thro
 workloads: a batch is what has arrived when the model is free (`transformers_static`).
 Metrics follow `vllm bench serve`: ttft = first non-empty chunk, tpot = (e2el - ttft) /
 (output_len - 1), itl = gaps between chunks; so does the client (aiohttp, streaming), the same
-for every server. Peak memory is the server process tree's VmHWM.
+for every server. Peak memory is the server process tree's VmHWM; for transformers, which runs
+in this process, this process's peak RSS.
 
 Each server replays every workload `--rounds` times (default 3; the anchor lasts only seconds,
 so one round is at the mercy of this shared machine's drift); the report per workload is the
@@ -40,6 +41,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -475,6 +477,10 @@ def main() -> None:
             systems["transformers-static"][f"{w}_rounds_output_throughput"] = [
                 r["output_throughput"] for r in w_runs
             ]
+        # transformers runs in this process: its peak is this process's, which also holds the
+        # load generator (0.24 GB of it is Python, torch and aiohttp before any model is loaded)
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        systems["transformers-static"]["peak_rss_bytes"] = peak_kib * 1024
         print("transformers", json.dumps(systems["transformers-static"]), flush=True)
     for workload in ("anchor", "poisson"):
         base = systems["infercloud"][workload]["output_throughput"]  # type: ignore[index]
