@@ -6,18 +6,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from infercloud.engine.model_config import ModelConfig
 from tests.conftest import EngineServer
 
 
 def cache_config(server: EngineServer) -> dict[str, str]:
+    """The labels of `infercloud:cache_config_info`, read with prometheus_client's own parser."""
     text = httpx.get(server.base_url + "/metrics").text
-    line = next(
-        line for line in text.splitlines() if line.startswith("infercloud:cache_config_info{")
+    family = next(
+        f for f in text_string_to_metric_families(text) if f.name == "infercloud:cache_config_info"
     )
-    labels = line[line.index("{") + 1 : line.rindex("}")]
-    return dict((kv.split("=", 1)[0], kv.split("=", 1)[1].strip('"')) for kv in labels.split(","))
+    return dict(family.samples[0].labels)
 
 
 def test_dtype_host_and_pool_bytes_reach_the_engine(tiny_model_dir: Path) -> None:

@@ -5,21 +5,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
 
 from tests.conftest import EngineServer
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: EngineServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0
-    ) as client:
-        yield client
 
 
 def test_models_lists_served_model(client: openai.OpenAI) -> None:

@@ -4,24 +4,14 @@ as the `openai` client sends them, and the token counters in /metrics."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
-import pytest
 from tokenizers import Tokenizer
 
 from tests.conftest import EngineServer
 
 PROMPT = [5, 17, 42, 99, 7, 23, 61, 8]  # token ids: no tokenizer round trip in the prompt
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: EngineServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=tiny_server.base_url + "/v1", api_key="none", max_retries=0
-    ) as client:
-        yield client
 
 
 def complete(client: openai.OpenAI, **kwargs: object) -> openai.types.Completion:
